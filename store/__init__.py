@@ -1,0 +1,1 @@
+"""Tables, migrations, and the only code in Reverie that issues queries."""

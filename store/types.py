@@ -1,0 +1,53 @@
+"""Column types and SQL functions that behave the same on PostgreSQL and SQLite."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Integer
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import FunctionElement
+from sqlalchemy.types import DateTime
+
+#: JSONB on PostgreSQL, JSON text on SQLite.
+JsonType = JSON().with_variant(JSONB(), "postgresql")
+
+#: 64-bit ids on PostgreSQL; SQLite only autoincrements an INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+#: Naive UTC timestamps, the memory table's convention, used in every table.
+Timestamp = DateTime(timezone=False)
+
+NANO = 1_000_000_000  # money is stored as integer nano-USD: exact, atomic arithmetic
+
+
+class utcnow(FunctionElement[datetime]):  # noqa: N801 - SQL function style
+    """``now()`` in UTC without a time zone, as a server default or in a query."""
+
+    type = Timestamp
+    inherit_cache = True
+
+
+@compiles(utcnow, "postgresql")
+def _utcnow_pg(element: Any, compiler: Any, **kw: Any) -> str:
+    return "timezone('utc', statement_timestamp())"
+
+
+@compiles(utcnow, "sqlite")
+def _utcnow_sqlite(element: Any, compiler: Any, **kw: Any) -> str:
+    return "CURRENT_TIMESTAMP"
+
+
+def now() -> datetime:
+    """The current time as a naive UTC datetime (the memory table's convention)."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def usd_to_nano(usd: float) -> int:
+    return int(round(usd * NANO))
+
+
+def nano_to_usd(nano: int) -> float:
+    return nano / NANO

@@ -1,0 +1,70 @@
+"""One root exception; subclasses carry their context in the constructor."""
+
+from __future__ import annotations
+
+
+class ReverieError(Exception):
+    """Root of every error Reverie raises on purpose."""
+
+
+class ConfigError(ReverieError):
+    """A setting or policy value is invalid."""
+
+
+class DatabaseUnavailable(ReverieError):
+    """The database at the configured URL cannot be reached."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url = url
+        self.reason = reason
+        super().__init__(f"database unreachable at {url}: {reason}")
+
+
+class SchemaMissing(ReverieError):
+    """The database has not been migrated."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"database schema is missing or outdated ({detail}); run `reverie migrate`")
+
+
+class InvalidSignal(ReverieError):
+    """A signal's kind, user or payload is not acceptable; ``field`` names the culprit."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}")
+
+
+class NotFound(ReverieError):
+    """A row named by id does not exist."""
+
+    def __init__(self, what: str, ident: object) -> None:
+        self.what = what
+        self.ident = ident
+        super().__init__(f"{what} {ident!r} not found")
+
+
+class TransientError(ReverieError):
+    """Worth retrying: a timeout, a rate limit, a lost connection."""
+
+
+class PermanentError(ReverieError):
+    """Not worth retrying: bad credentials, an unknown or unpriced model."""
+
+
+class BudgetExhausted(ReverieError):
+    """A model call's reservation does not fit the run's or the day's budget."""
+
+    def __init__(self, scope: str, needed: float, remaining: float) -> None:
+        self.scope = scope
+        self.needed = needed
+        self.remaining = remaining
+        super().__init__(f"{scope} budget exhausted: needed {needed:.6f} USD, {remaining:.6f} USD left")
+
+
+class UserBusy(ReverieError):
+    """Another run holds this user's dream lock."""
+
+    def __init__(self, user_hash: str) -> None:
+        super().__init__(f"a dream for user {user_hash} is already running")

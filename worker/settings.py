@@ -1,0 +1,102 @@
+"""The one typed settings object (contract section 5).
+
+Read from ``REVERIE_*`` environment variables and a ``.env`` file in the working
+directory. Modules receive a :class:`Settings` instance; none reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DATABASE_URL = "sqlite:///reverie.db"
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+class Settings(BaseSettings):
+    """Every knob Reverie has. Per-agent policies override the dream defaults."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="REVERIE_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+    )
+
+    # -- connections --------------------------------------------------------------
+    database_url: str = DEFAULT_DATABASE_URL
+    broker_url: str = "redis://localhost:6379/0"
+    memory_table: str = Field(default="usermemories", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    # Name of a last-access timestamp column on the host memory table, if it has one.
+    memory_last_access_column: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+    # -- the model ----------------------------------------------------------------
+    llm_model: str = "offline"
+    llm_input_cost_per_token: float | None = Field(default=None, ge=0)
+    llm_output_cost_per_token: float | None = Field(default=None, ge=0)
+    llm_max_output_tokens: int = Field(default=1024, ge=16, le=32768)
+    llm_timeout_seconds: float = Field(default=60.0, gt=0)
+    max_cost_per_run: float = Field(default=0.50, ge=0)
+    max_cost_per_day: float = Field(default=5.00, ge=0)
+
+    # -- dream defaults (EDDI dreamConfig; per-agent policies override) ------------
+    prune_stale_after_days: int = Field(default=90, ge=0)
+    detect_contradictions: bool = True
+    contradiction_resolution: Literal["flag", "keep_newest"] = "flag"
+    summarize_interactions: bool = True
+    summarize_min_entries: int = Field(default=5, ge=2)
+    summarize_target_entries: int = Field(default=2, ge=1)
+    cross_agent_maintenance: bool = False
+    protected_categories: str = "property,legacy"
+    dream_interval_hours: float = Field(default=24.0, gt=0)
+
+    # -- signals ------------------------------------------------------------------
+    allowed_categories: str = "preference,fact,context"
+    max_payload_bytes: int = Field(default=1024 * 1024, ge=1024)
+    max_items_per_signal: int = Field(default=2000, ge=1)
+    max_writes_per_turn: int = Field(default=10, ge=0)
+    min_user_messages: int = Field(default=1, ge=0)
+    feedback_min_recurrence: int = Field(default=2, ge=1)
+    routine_min_weeks: int = Field(default=3, ge=2)
+    routine_window_minutes: int = Field(default=60, ge=1, le=720)
+    habit_min_days: int = Field(default=5, ge=2)
+    signal_max_attempts: int = Field(default=5, ge=1)
+    signal_lease_seconds: int = Field(default=300, ge=5)
+    signal_backoff_seconds: float = Field(default=30.0, ge=0)
+
+    # -- operations ---------------------------------------------------------------
+    metrics_port: int = Field(default=9540, ge=1, le=65535)
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: str = "INFO"
+    # Key for the hash that stands in for user ids in logs.
+    log_hash_key: str = "reverie"
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalise_driver(cls, url: str) -> str:
+        # psycopg 3 is the driver; accept the bare scheme users copy from elsewhere.
+        for prefix in ("postgresql://", "postgres://", "postgresql+psycopg2://"):
+            if url.startswith(prefix):
+                return "postgresql+psycopg://" + url[len(prefix) :]
+        return url
+
+    @property
+    def protected_category_set(self) -> frozenset[str]:
+        return frozenset(_csv(self.protected_categories))
+
+    @property
+    def allowed_category_set(self) -> frozenset[str]:
+        return frozenset(_csv(self.allowed_categories))
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read once. Tests build their own ``Settings``."""
+    return Settings()
