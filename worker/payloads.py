@@ -1,0 +1,221 @@
+"""Validation of signal kinds, users and payloads (contract section 2).
+
+The JSON Schemas in ``worker/schemas/`` are the published shape; this module applies
+them plus the limits a schema cannot express (byte size, depth, NUL bytes, real
+ISO-8601 timestamps, the settings' item cap). Every failure is an
+:class:`~worker.errors.InvalidSignal` whose ``field`` is a path such as
+``payload.messages[3].role``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+
+from worker.errors import InvalidSignal
+from worker.settings import Settings
+
+KINDS = ("session_end", "feedback", "activity")
+ITEM_FIELDS = {"session_end": "messages", "activity": "events"}
+MAX_DEPTH = 32
+MAX_ID_LENGTH = 255
+
+
+@lru_cache(maxsize=None)
+def schema(kind: str) -> dict[str, Any]:
+    """The published JSON Schema for one payload kind."""
+    text = resources.files("worker.schemas").joinpath(f"{kind}.json").read_text("utf-8")
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
+
+
+@lru_cache(maxsize=None)
+def _validator(kind: str) -> Draft202012Validator:
+    return Draft202012Validator(schema(kind))
+
+
+def canonical_json(payload: Any) -> str:
+    """The payload as compact JSON with sorted keys (hashing and size checks)."""
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def default_idempotency_key(kind: str, user_id: str, payload: Any) -> str:
+    """sha256 over kind, user and canonical payload (used where the database cannot)."""
+    material = f"{kind}\n{user_id}\n{canonical_json(payload)}"
+    return hashlib.sha256(material.encode("utf-8")).hexdigest()
+
+
+def check_identifier(field: str, value: Any, *, required: bool) -> str | None:
+    if value is None:
+        if required:
+            raise InvalidSignal(field, "is required")
+        return None
+    if not isinstance(value, str):
+        raise InvalidSignal(field, f"must be a string, not {type(value).__name__}")
+    if not value.strip():
+        raise InvalidSignal(field, "must not be empty")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidSignal(field, f"is {len(value)} characters long; at most {MAX_ID_LENGTH} allowed")
+    if "\x00" in value:
+        raise InvalidSignal(field, "contains a NUL byte")
+    return value
+
+
+def check_kind(kind: Any) -> str:
+    if kind not in KINDS:
+        raise InvalidSignal("kind", f"unknown kind {str(kind)[:40]!r}; expected one of {', '.join(KINDS)}")
+    return str(kind)
+
+
+def validate_signal(
+    kind: Any,
+    user_id: Any,
+    payload: Any,
+    settings: Settings,
+    *,
+    agent_id: Any = None,
+    idempotency_key: Any = None,
+) -> None:
+    """Raise :class:`InvalidSignal` naming the first bad field; return if all is well."""
+    check_kind(kind)
+    check_identifier("user_id", user_id, required=True)
+    check_identifier("agent_id", agent_id, required=False)
+    check_identifier("idempotency_key", idempotency_key, required=False)
+    validate_payload(kind, payload, settings)
+
+
+def validate_payload(kind: str, payload: Any, settings: Settings) -> None:
+    if not isinstance(payload, dict):
+        raise InvalidSignal("payload", f"must be a JSON object, not {_json_type(payload)}")
+    _check_depth_and_nul(payload, "payload", 0)
+    try:
+        size = len(canonical_json(payload).encode("utf-8"))
+    except (ValueError, TypeError) as exc:  # NaN/inf or a non-JSON Python value
+        raise InvalidSignal("payload", f"is not valid JSON: {exc}") from exc
+    if size > settings.max_payload_bytes:
+        raise InvalidSignal("payload", f"is {size} bytes; at most {settings.max_payload_bytes} allowed")
+    items_field = ITEM_FIELDS.get(kind)
+    if items_field is not None:
+        items = payload.get(items_field)
+        if isinstance(items, list) and len(items) > settings.max_items_per_signal:
+            raise InvalidSignal(
+                f"payload.{items_field}",
+                f"has {len(items)} items; at most {settings.max_items_per_signal} allowed",
+            )
+    error = _first_error(kind, payload)
+    if error is not None:
+        raise InvalidSignal(_path("payload", error.absolute_path), _describe(error))
+    for path, value in _timestamps(kind, payload):
+        if value is not None:
+            parse_timestamp(path, value)
+
+
+def parse_timestamp(field: str, value: Any) -> datetime:
+    """An ISO-8601 timestamp as naive UTC; a time without zone is taken as UTC."""
+    if not isinstance(value, str):
+        raise InvalidSignal(field, "must be an ISO-8601 timestamp string")
+    text = value.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise InvalidSignal(field, f"is not an ISO-8601 timestamp: {value[:40]!r}") from exc
+    if not 1970 <= parsed.year <= 9998:
+        raise InvalidSignal(field, f"is out of range: {value[:40]!r}")
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(UTC).replace(tzinfo=None)
+    return parsed
+
+
+def _timestamps(kind: str, payload: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    if kind == "session_end":
+        yield "payload.ended_at", payload.get("ended_at")
+        for i, message in enumerate(payload.get("messages", [])):
+            yield f"payload.messages[{i}].at", message.get("at")
+    elif kind == "feedback":
+        yield "payload.at", payload.get("at")
+    elif kind == "activity":
+        for i, item in enumerate(payload.get("events", [])):
+            yield f"payload.events[{i}].at", item.get("at")
+
+
+def _first_error(kind: str, payload: dict[str, Any]) -> ValidationError | None:
+    errors = sorted(_validator(kind).iter_errors(payload), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    return errors[0] if errors else None
+
+
+def _describe(error: ValidationError) -> str:
+    validator = error.validator
+    if validator == "required":
+        missing = str(error.message).split("'")[1] if "'" in error.message else "a field"
+        return f"is missing required field {missing!r}"
+    if validator == "type":
+        return f"must be {_type_words(error.validator_value)}, not {_json_type(error.instance)}"
+    if validator == "enum":
+        return f"must be one of {', '.join(map(str, error.validator_value))}"
+    if validator == "minLength":
+        return "must not be empty"
+    if validator == "maxLength":
+        return f"is longer than {error.validator_value} characters"
+    if validator == "maxItems":
+        return f"has more than {error.validator_value} items"
+    return str(error.message)[:200]
+
+
+def _type_words(expected: Any) -> str:
+    names = [expected] if isinstance(expected, str) else list(expected)
+    words = {"object": "a JSON object", "array": "an array", "string": "a string", "null": "null"}
+    return " or ".join(words.get(n, n) for n in names)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _path(root: str, parts: Any) -> str:
+    out = root
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _check_depth_and_nul(value: Any, path: str, depth: int) -> None:
+    # Iterative enough for our cap: recursion stops at MAX_DEPTH, so no RecursionError.
+    if depth > MAX_DEPTH:
+        raise InvalidSignal(path, f"is nested more than {MAX_DEPTH} levels deep")
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise InvalidSignal(path, "contains a NUL byte")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidSignal(path, "has a non-string key")
+            if "\x00" in key:
+                raise InvalidSignal(path, "has a key containing a NUL byte")
+            _check_depth_and_nul(item, f"{path}.{key}", depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_depth_and_nul(item, f"{path}[{i}]", depth + 1)
+    elif isinstance(value, float) and value != value:
+        raise InvalidSignal(path, "is NaN, which JSON does not allow")

@@ -1,0 +1,89 @@
+"""The producer side: queue one signal for one user (contract section 2).
+
+Importing this module is cheap: it imports neither litellm nor Celery, and it never
+connects to a broker. With ``session=`` the row is written inside the caller's
+transaction (a transactional outbox); without it, in a transaction of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+from store import signals as signal_store
+from store.db import session_scope
+from worker.payloads import default_idempotency_key, validate_signal
+from worker.settings import Settings, get_settings
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """What happened to an enqueue: ``created`` is False for a duplicate (a no-op)."""
+
+    signal_id: int
+    idempotency_key: str
+    created: bool
+
+
+#: Called with (settings, signal_id) after the row is committed. The Celery side
+#: installs a wake-up here; a missed wake-up is harmless (beat's sweeper re-sends).
+after_commit_hooks: list[Callable[[Settings, int], None]] = []
+
+
+def enqueue_signal(
+    kind: str,
+    user_id: str,
+    payload: dict[str, Any],
+    *,
+    agent_id: str | None = None,
+    idempotency_key: str | None = None,
+    session: Session | None = None,
+    settings: Settings | None = None,
+) -> Enqueued:
+    """Validate and queue a signal. Raises :class:`~worker.errors.InvalidSignal`.
+
+    A second call with the same idempotency key (by default a hash of kind, user and
+    canonical payload) writes nothing and returns ``created=False``.
+    """
+    settings = settings or get_settings()
+    validate_signal(kind, user_id, payload, settings, agent_id=agent_id, idempotency_key=idempotency_key)
+    fallback = default_idempotency_key(kind, user_id, payload)
+
+    def write(target: Session) -> Enqueued:
+        inserted = signal_store.insert_signal(
+            target,
+            kind=kind,
+            user_id=user_id,
+            payload=payload,
+            agent_id=agent_id,
+            idempotency_key=idempotency_key,
+            fallback_key=fallback,
+        )
+        return Enqueued(inserted.signal_id, inserted.idempotency_key, inserted.created)
+
+    if session is not None:
+        result = write(session)
+        if result.created and after_commit_hooks:
+            _after_commit(session, settings, result.signal_id)
+        return result
+    with session_scope(settings) as own:
+        result = write(own)
+    if result.created:
+        _run_hooks(settings, result.signal_id)
+    return result
+
+
+def _after_commit(session: Session, settings: Settings, signal_id: int) -> None:
+    def fire(_session: Session) -> None:
+        _run_hooks(settings, signal_id)
+
+    event.listen(session, "after_commit", fire, once=True)
+
+
+def _run_hooks(settings: Settings, signal_id: int) -> None:
+    for hook in after_commit_hooks:
+        hook(settings, signal_id)
