@@ -1,0 +1,61 @@
+"""The Typer app every command module registers on, and the error presentation."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, NoReturn
+
+import typer
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+app = typer.Typer(
+    name="reverie",
+    help="Reverie keeps AI-agent long-term memory healthy: prune, reconcile, summarize, ingest signals.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``reverie: error: message`` (one line) and exit with ``code``."""
+    first = " ".join(str(message).split())
+    print(f"reverie: error: {first}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for an error: ours say what is wrong; others name their type."""
+    from worker.errors import ReverieError
+
+    if isinstance(exc, ReverieError):
+        return str(exc)
+    try:
+        from pydantic import ValidationError
+
+        if isinstance(exc, ValidationError):
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+            return f"invalid setting REVERIE_{field.upper()}: {err.get('msg', 'invalid')}"
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        if isinstance(exc, SQLAlchemyError):
+            orig = getattr(exc, "orig", None) or exc
+            lines = str(orig).strip().splitlines()
+            return f"database error: {lines[0] if lines else type(orig).__name__}"
+    except ImportError:  # pragma: no cover
+        pass
+    return f"unexpected {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+def load_settings() -> Settings:
+    """The process settings; a bad value becomes one line, not a pydantic dump."""
+    from worker.settings import get_settings
+
+    return get_settings()

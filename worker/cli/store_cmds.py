@@ -1,0 +1,38 @@
+"""``reverie migrate`` and ``reverie demo``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from worker.cli.common import app, load_settings
+
+
+@app.command()
+def migrate() -> None:
+    """Bring the database at REVERIE_DATABASE_URL to the current schema (idempotent)."""
+    from store.db import check_connection, safe_url
+    from store.migrate import upgrade
+
+    settings = load_settings()
+    check_connection(settings)
+    before, after = upgrade(settings)
+    where = safe_url(settings.database_url)
+    if before == after:
+        print(f"{where}: already at revision {after}; nothing to do")
+    else:
+        print(f"{where}: migrated from {before or 'an empty schema'} to revision {after}")
+
+
+@app.command()
+def demo(
+    path: Annotated[Path, typer.Option("--path", help="The SQLite file to create (replaced if present).")] = Path(
+        "reverie-demo.db"
+    ),
+) -> None:
+    """Run the whole pipeline once on an embedded SQLite store: no broker, no network."""
+    from worker.demo import run_demo
+
+    run_demo(path)

@@ -1,0 +1,42 @@
+"""Every Prometheus family of contract section 6, defined once.
+
+No label ever carries a user id. In the worker these live in prometheus-client's
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), so prefork children add up.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# A dream run takes milliseconds (nothing to do) to minutes (many model calls).
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Signal lag: from enqueue to done; wake-ups make it sub-second, the sweeper minutes.
+LAG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 3600, 21600, 86400)
+
+USERS_PROCESSED = Counter("dream_users_processed_total", "Users whose dream run finished.")
+ENTRIES_PRUNED = Counter("dream_entries_pruned_total", "Stale memory entries archived and removed.")
+CONTRADICTIONS_FOUND = Counter("dream_contradictions_found_total", "New contradictions detected.")
+ENTRIES_SUMMARIZED = Counter("dream_entries_summarized_total", "Memory entries replaced by summaries.")
+CYCLES_FAILED = Counter("dream_cycles_failed_total", "Dream runs that ended in failure.")
+DURATION = Histogram("dream_duration_seconds", "Wall time of one user's dream run.", buckets=DURATION_BUCKETS)
+
+SIGNALS_PROCESSED = Counter(
+    "dream_signals_processed_total", "Signals processed, by kind and outcome.", ["kind", "outcome"]
+)
+SIGNAL_LAG = Histogram(
+    "dream_signal_lag_seconds", "Time from enqueue to done, by kind.", ["kind"], buckets=LAG_BUCKETS
+)
+SIGNALS_PENDING = Gauge(
+    "dream_signals_pending", "Signals waiting to be processed, by kind.", ["kind"], multiprocess_mode="livemax"
+)
+MEMORY_WRITES = Counter(
+    "dream_memory_writes_total", "Writes to the memory table, by source and action.", ["source", "action"]
+)
+LLM_COST = Counter("dream_llm_cost_usd_total", "Settled model spend in USD.", ["model", "purpose"])
+LLM_TOKENS = Counter("dream_llm_tokens_total", "Model tokens, by direction.", ["model", "direction"])
+LLM_REQUESTS = Counter("dream_llm_requests_total", "Model calls, by outcome.", ["model", "outcome"])
+BUDGET_EXHAUSTED = Counter(
+    "dream_budget_exhausted_total", "Model calls not made because a budget was spent.", ["scope"]
+)
+
+SIGNAL_OUTCOMES = ("done", "rejected", "failed", "dead")
