@@ -1,0 +1,87 @@
+"""Who is due for a dream: per-user schedule rows in ``dream_user_state``.
+
+A user is due when their ``next_dream_at`` has passed, when something touched them
+since their last dream (``dirty_since``), or when they have entries in the memory
+table and no state row yet (a host database Reverie has never seen).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import case, or_, select, union, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from store.memories import table_for
+from store.models import UserState
+from store.types import now
+from worker.settings import Settings
+
+
+def _upsert(session: Session, values: dict[str, Any], set_: dict[str, Any], where: Any = None) -> None:
+    # Both dialects spell ON CONFLICT the same way; only the construct differs.
+    if session.get_bind().dialect.name == "postgresql":
+        pg = pg_insert(UserState).values(**values)
+        session.execute(pg.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_, where=where))
+    else:
+        lite = sqlite_insert(UserState).values(**values)
+        session.execute(lite.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_, where=where))
+
+
+def mark_dirty(session: Session, user_id: str, at: datetime | None = None) -> None:
+    """Note that ``user_id`` changed; keeps the earliest ``dirty_since`` already set."""
+    when = at or now()
+    _upsert(
+        session,
+        {"user_id": user_id, "dirty_since": when, "next_dream_at": when},
+        {"dirty_since": when},
+        where=UserState.dirty_since.is_(None),
+    )
+
+
+def due_user_ids(session: Session, at: datetime, limit: int, settings: Settings | None = None) -> list[str]:
+    """Up to ``limit`` user ids due at ``at``, in a stable order.
+
+    With ``settings`` given, users who have entries in the memory table but no state
+    row are due too.
+    """
+    due = select(UserState.user_id).where(or_(UserState.next_dream_at <= at, UserState.dirty_since.is_not(None)))
+    query = due
+    if settings is not None:
+        table = table_for(settings)
+        unseen = (
+            select(table.c.user_id)
+            .where(~select(UserState.user_id).where(UserState.user_id == table.c.user_id).exists())
+            .distinct()
+        )
+        query = union(due, unseen)  # type: ignore[assignment]
+    sub = query.subquery()
+    stmt = select(sub.c.user_id).order_by(sub.c.user_id).limit(limit)
+    return list(session.scalars(stmt))
+
+
+def all_user_ids(session: Session, settings: Settings) -> list[str]:
+    """Every user with entries in the memory table or a schedule row."""
+    table = table_for(settings)
+    sub = union(select(table.c.user_id), select(UserState.user_id)).subquery()
+    return list(session.scalars(select(sub.c.user_id).order_by(sub.c.user_id)))
+
+
+def mark_dreamed(session: Session, user_id: str, at: datetime, next_at: datetime) -> None:
+    """Record a dream that started at ``at``: sets the next due time and clears
+    ``dirty_since`` unless something touched the user after ``at`` (then they stay due).
+    """
+    still_dirty = case((UserState.dirty_since > at, UserState.dirty_since), else_=None)
+    _upsert(
+        session,
+        {"user_id": user_id, "last_dream_at": at, "next_dream_at": next_at, "dirty_since": None},
+        {"last_dream_at": at, "next_dream_at": next_at, "dirty_since": still_dirty},
+    )
+
+
+def defer(session: Session, user_id: str, next_at: datetime) -> None:
+    """Move a user's next due time without touching anything else."""
+    session.execute(update(UserState).where(UserState.user_id == user_id).values(next_dream_at=next_at))
