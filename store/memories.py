@@ -9,15 +9,19 @@ updates while Reverie works is left alone.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, delete, func, insert, literal, literal_column, select
+from sqlalchemy import ColumnElement, Table, and_, delete, func, insert, literal, literal_column, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from store.models import ArchivedEntry, Event, memory_table
 from store.types import now
+from worker.errors import TransientError
 from worker.settings import Settings
 
 
@@ -186,3 +190,188 @@ def record_events(
             for e in entries
         ],
     )
+
+
+# -- writes: archive-then-replace and EDDI's upsert --------------------------------------
+
+
+@dataclass(frozen=True)
+class Upserted:
+    """What :func:`upsert_entry` did: ``insert``, ``update``, ``unchanged`` or
+    ``protected`` (an existing ``_gdpr_`` or protected-category entry, left alone)."""
+
+    entry_id: str | None
+    action: str
+
+
+def archive_rows(
+    session: Session,
+    table: Table,
+    where: ColumnElement[bool],
+    *,
+    reason: str,
+    run_id: int | None = None,
+    signal_id: int | None = None,
+) -> int:
+    """Copy every row of ``table`` matching ``where`` whole into the archive, keeping it.
+
+    Used before a row is rewritten in place (``reason="replace"``), so the old value
+    can be restored exactly like a removed one.
+    """
+    at = now()
+    if session.get_bind().dialect.name == "postgresql":
+        statement = insert(ArchivedEntry).from_select(
+            ["run_id", "signal_id", "user_id", "entry_id", "reason", "row", "archived_at"],
+            select(
+                literal(run_id, ArchivedEntry.run_id.type),
+                literal(signal_id, ArchivedEntry.signal_id.type),
+                table.c.user_id,
+                table.c.id,
+                literal(reason),
+                func.to_jsonb(literal_column(table.name)),
+                literal(at, ArchivedEntry.archived_at.type),
+            ).where(where),
+        )
+        result = session.execute(statement)
+        return int(getattr(result, "rowcount", 0) or 0)
+    rows = session.execute(select(table).where(where)).all()
+    if rows:
+        session.execute(
+            insert(ArchivedEntry),
+            [
+                {
+                    "run_id": run_id,
+                    "signal_id": signal_id,
+                    "user_id": row.user_id,
+                    "entry_id": row.id,
+                    "reason": reason,
+                    "row": jsonable_row(row),
+                    "archived_at": at,
+                }
+                for row in rows
+            ],
+        )
+    return len(rows)
+
+
+def _upsert_key(table: Table, user_id: str, key: str, visibility: str, agent_id: str | None) -> ColumnElement[bool]:
+    # EDDI's two partial unique indexes: global entries are keyed on (user, key) and
+    # keep their owner; self/group entries are keyed on (user, key, agent).
+    same = and_(table.c.user_id == user_id, table.c.key == key)
+    if visibility == "global":
+        return and_(same, table.c.visibility == "global")
+    owner = table.c.source_agent_id.is_(None) if agent_id is None else table.c.source_agent_id == agent_id
+    return and_(same, table.c.visibility != "global", owner)
+
+
+def upsert_entry(
+    session: Session,
+    table: Table,
+    *,
+    user_id: str,
+    key: str,
+    value: Any,
+    category: str,
+    source: str,
+    visibility: str = "self",
+    source_agent_id: str | None = None,
+    source_conversation_id: str | None = None,
+    protected_categories: frozenset[str] = frozenset(),
+    signal_id: int | None = None,
+    run_id: int | None = None,
+) -> Upserted:
+    """Write one entry with EDDI's upsert semantics and record the event.
+
+    A new value for an existing key replaces it in place (same id, access count kept)
+    after the old row is archived whole (reason ``replace``). The same value and
+    category again is ``unchanged`` and writes nothing. An existing entry whose key
+    starts with ``_gdpr_`` or whose category is protected is never rewritten.
+    """
+    match = _upsert_key(table, user_id, key, visibility, source_agent_id)
+    for _ in range(2):
+        existing = session.execute(select(table).where(match).with_for_update()).first()
+        if existing is not None:
+            return _replace(
+                session,
+                table,
+                existing,
+                value=value,
+                category=category,
+                source=source,
+                source_conversation_id=source_conversation_id,
+                protected_categories=protected_categories,
+                signal_id=signal_id,
+                run_id=run_id,
+            )
+        at = now()
+        entry_id = str(uuid.uuid4())
+        dialect = session.get_bind().dialect.name
+        builder = pg_insert(table) if dialect == "postgresql" else sqlite_insert(table)
+        statement = (
+            builder.values(
+                id=entry_id,
+                user_id=user_id,
+                key=key,
+                value=value,
+                category=category,
+                visibility=visibility,
+                source_agent_id=source_agent_id,
+                group_ids=[],
+                source_conversation_id=source_conversation_id,
+                conflicted=False,
+                access_count=0,
+                created_at=at,
+                updated_at=at,
+            )
+            # A concurrent writer may have inserted the same key since our look:
+            # then the loop finds its row and replaces it instead.
+            .on_conflict_do_nothing()
+            .returning(table.c.id)
+        )
+        if session.execute(statement).first() is not None:
+            record_events(
+                session,
+                [Removed(entry_id, user_id, key)],
+                action="insert",
+                source=source,
+                run_id=run_id,
+                signal_id=signal_id,
+                at=at,
+            )
+            return Upserted(entry_id, "insert")
+    raise TransientError("another writer kept changing the entry; try again")
+
+
+def _replace(
+    session: Session,
+    table: Table,
+    existing: Any,
+    *,
+    value: Any,
+    category: str,
+    source: str,
+    source_conversation_id: str | None,
+    protected_categories: frozenset[str],
+    signal_id: int | None,
+    run_id: int | None,
+) -> Upserted:
+    if existing.key.startswith("_gdpr_") or existing.category in protected_categories:
+        return Upserted(existing.id, "protected")
+    if existing.value == value and existing.category == category:
+        return Upserted(existing.id, "unchanged")
+    at = now()
+    archive_rows(session, table, table.c.id == existing.id, reason="replace", run_id=run_id, signal_id=signal_id)
+    changes: dict[str, Any] = {"value": value, "category": category, "updated_at": at}
+    if source_conversation_id is not None:
+        changes["source_conversation_id"] = source_conversation_id
+    session.execute(update(table).where(table.c.id == existing.id).values(**changes))
+    record_events(
+        session,
+        [Removed(existing.id, existing.user_id, existing.key)],
+        action="update",
+        source=source,
+        run_id=run_id,
+        signal_id=signal_id,
+        at=at,
+    )
+    return Upserted(existing.id, "update")

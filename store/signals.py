@@ -1,16 +1,18 @@
-"""Queries on ``dream_signals``: the producer's insert, listing and replay."""
+"""Queries on ``dream_signals``: the producer's insert, listing and replay, and the
+worker's claim, lock and outcome."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import json
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import Text, and_, cast, func, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from store.models import Signal
 from store.types import now
@@ -68,7 +70,8 @@ def _key_expression(key: str | None, values: dict[str, Any], dialect: str) -> An
     # The same expression the trigger uses, so a duplicate is found without a second hash.
     assert dialect == "postgresql"
     return text(
-        "encode(sha256(convert_to(:kind || E'\\n' || :user_id || E'\\n' || CAST(:payload AS jsonb)::text, 'UTF8')), 'hex')"
+        "encode(sha256(convert_to("
+        ":kind || E'\\n' || :user_id || E'\\n' || CAST(:payload AS jsonb)::text, 'UTF8')), 'hex')"
     ).bindparams(
         kind=values["kind"],
         user_id=values["user_id"],
@@ -88,7 +91,8 @@ def list_signals(
     user_id: str | None = None,
     limit: int = 50,
 ) -> Sequence[Signal]:
-    query = select(Signal).order_by(Signal.id.desc()).limit(limit)
+    """The newest signals, without their payloads (a hostile payload may not even parse)."""
+    query = select(Signal).options(defer(Signal.payload, raiseload=True)).order_by(Signal.id.desc()).limit(limit)
     if status is not None:
         query = query.where(Signal.status == status)
     if kind is not None:
@@ -125,3 +129,157 @@ def get_signal(session: Session, signal_id: int) -> Signal | None:
 
 def oldest_pending(session: Session) -> datetime | None:
     return session.scalar(select(func.min(Signal.enqueued_at)).where(Signal.status == "pending"))
+
+
+# -- the worker side: claim, load, lock, record the outcome ------------------------------
+
+READY_STATUSES = ("pending", "failed")
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A signal this worker now holds until ``claimed_until`` (its lease)."""
+
+    signal_id: int
+    kind: str
+    user_id: str
+    agent_id: str | None
+    attempts: int
+    claim_token: str
+    enqueued_at: datetime
+
+
+def _claimable(at: datetime) -> Any:
+    return or_(
+        and_(Signal.status.in_(READY_STATUSES), Signal.available_at <= at),
+        and_(Signal.status == "processing", Signal.claimed_until < at),
+    )
+
+
+def claim_signals(
+    session: Session,
+    *,
+    lease_seconds: int,
+    limit: int,
+    signal_id: int | None = None,
+    max_attempts: int | None = None,
+) -> list[Claimed]:
+    """Move up to ``limit`` claimable signals to ``processing`` under a new lease.
+
+    Claimable: ``pending``/``failed`` whose ``available_at`` has passed, or
+    ``processing`` whose lease expired (a worker died). Each claim adds one attempt
+    and sets a fresh ``claim_token``; on PostgreSQL ``FOR UPDATE SKIP LOCKED`` lets
+    concurrent workers claim disjoint rows. With ``max_attempts``, rows already out
+    of attempts are left for :func:`bury_exhausted`.
+    """
+    at = now()
+    token = str(uuid.uuid4())
+    candidates = select(Signal.id).where(_claimable(at)).order_by(Signal.id).limit(limit)
+    if signal_id is not None:
+        candidates = candidates.where(Signal.id == signal_id)
+    if max_attempts is not None:
+        candidates = candidates.where(Signal.attempts < max_attempts)
+    if session.get_bind().dialect.name == "postgresql":
+        candidates = candidates.with_for_update(skip_locked=True)
+    statement = (
+        update(Signal)
+        # Re-checked on the locked row: another worker may have claimed it meanwhile.
+        .where(Signal.id.in_(candidates.scalar_subquery()), _claimable(at))
+        .values(
+            status="processing",
+            attempts=Signal.attempts + 1,
+            claim_token=token,
+            claimed_until=at + timedelta(seconds=lease_seconds),
+        )
+        .returning(Signal.id, Signal.kind, Signal.user_id, Signal.agent_id, Signal.attempts, Signal.enqueued_at)
+        .execution_options(synchronize_session=False)
+    )
+    rows = session.execute(statement).all()
+    claimed = [Claimed(r.id, r.kind, r.user_id, r.agent_id, r.attempts, token, r.enqueued_at) for r in rows]
+    return sorted(claimed, key=lambda c: c.signal_id)
+
+
+def bury_exhausted(session: Session, *, max_attempts: int) -> list[tuple[int, str]]:
+    """Mark ``dead`` the signals whose lease expired after their last attempt.
+
+    Returns (id, kind) of each row buried, for the metrics.
+    """
+    at = now()
+    statement = (
+        update(Signal)
+        .where(Signal.status == "processing", Signal.claimed_until < at, Signal.attempts >= max_attempts)
+        .values(
+            status="dead",
+            claim_token=None,
+            claimed_until=None,
+            last_error="lease expired after the last attempt (the worker stopped while processing)",
+        )
+        .returning(Signal.id, Signal.kind)
+        .execution_options(synchronize_session=False)
+    )
+    return [(r.id, r.kind) for r in session.execute(statement)]
+
+
+def load_payload_text(session: Session, signal_id: int) -> str | None:
+    """The payload as JSON text, never parsed by the driver.
+
+    A foreign producer may store JSON nested deeply enough to exhaust the driver's
+    recursive parser; the caller parses it under its own guard.
+    """
+    text_value = session.scalar(select(cast(Signal.payload, Text)).where(Signal.id == signal_id))
+    return None if text_value is None else str(text_value)
+
+
+def lock_claimed(session: Session, signal_id: int, claim_token: str) -> bool:
+    """Lock the signal row for this transaction if our claim still holds.
+
+    False when the row is gone (``erase-user`` removed it) or another worker took it
+    over after our lease expired: the caller must then write nothing.
+    """
+    statement = (
+        select(Signal.id)
+        .where(Signal.id == signal_id, Signal.claim_token == claim_token, Signal.status == "processing")
+        .with_for_update()
+    )
+    return session.scalar(statement) is not None
+
+
+def finish_signal(
+    session: Session,
+    signal_id: int,
+    claim_token: str,
+    *,
+    status: str,
+    error: str | None = None,
+    available_at: datetime | None = None,
+    refund_attempt: bool = False,
+) -> datetime | None:
+    """Record an outcome if our claim still holds; returns the time recorded, or None.
+
+    ``done`` sets ``processed_at``; ``failed`` makes the signal claimable again at
+    ``available_at``; ``refund_attempt`` gives back the attempt the claim took.
+    """
+    at = now()
+    values: dict[str, Any] = {"status": status, "last_error": error, "claim_token": None, "claimed_until": None}
+    if status in ("done", "rejected"):
+        values["processed_at"] = at
+    if available_at is not None:
+        values["available_at"] = available_at
+    if refund_attempt:
+        values["attempts"] = Signal.attempts - 1
+    statement = (
+        update(Signal)
+        .where(Signal.id == signal_id, Signal.claim_token == claim_token, Signal.status == "processing")
+        .values(**values)
+        .returning(Signal.id)
+        .execution_options(synchronize_session=False)
+    )
+    return at if session.execute(statement).first() is not None else None
+
+
+def pending_counts(session: Session) -> dict[str, int]:
+    """Signals waiting (``pending`` or ``failed``), by kind."""
+    rows = session.execute(
+        select(Signal.kind, func.count()).where(Signal.status.in_(READY_STATUSES)).group_by(Signal.kind)
+    )
+    return {kind: count for kind, count in rows}
