@@ -184,6 +184,9 @@ class UserState(Base):
     # A lease: the user's dream is running until then (per-user mutual exclusion).
     locked_until: Mapped[datetime | None]
     lock_token: Mapped[str | None] = mapped_column(String(36))
+    # When beat's dispatcher last sent this user a run: a dirty user is not sent again
+    # until a newer change arrives or the dispatch lease runs out (the run was lost).
+    dispatched_at: Mapped[datetime | None]
 
     __table_args__ = (
         Index("ix_dream_user_state_next_dream_at", "next_dream_at"),

@@ -239,6 +239,7 @@ def upgrade() -> None:
     sa.Column('dirty_since', sa.DateTime(), nullable=True),
     sa.Column('locked_until', sa.DateTime(), nullable=True),
     sa.Column('lock_token', sa.String(length=36), nullable=True),
+    sa.Column('dispatched_at', sa.DateTime(), nullable=True),
     sa.PrimaryKeyConstraint('user_id', name=op.f('pk_dream_user_state'))
     )
     op.create_index('ix_dream_user_state_dirty', 'dream_user_state', ['dirty_since'], unique=False, postgresql_where=sa.text('dirty_since IS NOT NULL'), sqlite_where=sa.text('dirty_since IS NOT NULL'))
