@@ -74,6 +74,19 @@ class Settings(BaseSettings):
     # Key for the hash that stands in for user ids in logs.
     log_hash_key: str = "reverie"
 
+    # -- the service: Celery worker and beat ----------------------------------------
+    dispatch_interval_seconds: float = Field(default=5.0, gt=0)
+    # Users claimed per dispatcher tick, and users per ``dream.run_users`` message.
+    dispatch_max_users: int = Field(default=10_000, ge=1)
+    dispatch_chunk_size: int = Field(default=100, ge=1)
+    # A dirty user whose dispatched run has not cleared them by then is sent again.
+    dispatch_lease_seconds: int = Field(default=3600, ge=5)
+    sweep_interval_seconds: float = Field(default=30.0, gt=0)
+    # A ready signal not picked up this long after it became available gets a new wake-up.
+    sweep_grace_seconds: float = Field(default=60.0, ge=0)
+    sweep_max_signals: int = Field(default=1000, ge=1)
+    worker_concurrency: int = Field(default=2, ge=1)
+
     @field_validator("database_url")
     @classmethod
     def _normalise_driver(cls, url: str) -> str:
