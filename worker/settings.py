@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     dispatch_chunk_size: int = Field(default=100, ge=1)
     # A dirty user whose dispatched run has not cleared them by then is sent again.
     dispatch_lease_seconds: int = Field(default=3600, ge=5)
+    # A user touched by a signal is dreamed this long after the first change, so a busy
+    # conversation costs one dream, not one per signal.
+    dispatch_dirty_delay_seconds: float = Field(default=300.0, ge=0)
     sweep_interval_seconds: float = Field(default=30.0, gt=0)
     # A ready signal not picked up this long after it became available gets a new wake-up.
     sweep_grace_seconds: float = Field(default=60.0, ge=0)
