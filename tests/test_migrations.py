@@ -1,0 +1,200 @@
+"""``reverie migrate``: the contract's memory table, the dream_ tables, idempotence,
+and an existing EDDI table left exactly as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import psycopg
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from psycopg import sql
+
+from store.db import dispose_engines, get_engine
+from store.migrate import VERSION_TABLE, head_revision, upgrade
+from store.models import Base
+from tests.conftest import PG_ADMIN_URL, _base_settings, pg_url_for
+
+EDDI_DDL = [
+    """CREATE TABLE IF NOT EXISTS usermemories (
+        id VARCHAR(64) PRIMARY KEY DEFAULT gen_random_uuid()::text,
+        user_id VARCHAR(255) NOT NULL,
+        key VARCHAR(255) NOT NULL,
+        value JSONB,
+        category VARCHAR(50) NOT NULL DEFAULT 'fact',
+        visibility VARCHAR(20) NOT NULL DEFAULT 'self',
+        source_agent_id VARCHAR(255),
+        group_ids JSONB DEFAULT '[]'::jsonb,
+        source_conversation_id VARCHAR(255),
+        conflicted BOOLEAN DEFAULT FALSE,
+        access_count INTEGER DEFAULT 0,
+        created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+        updated_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP
+    )""",
+    "CREATE INDEX IF NOT EXISTS idx_um_user_vis_agent_key ON usermemories (user_id, visibility, source_agent_id, key)",
+    "CREATE INDEX IF NOT EXISTS idx_um_user_updated ON usermemories (user_id, updated_at DESC)",
+    "CREATE INDEX IF NOT EXISTS idx_um_user_category ON usermemories (user_id, category)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS idx_um_upsert_global ON usermemories (user_id, key) WHERE visibility = 'global'",
+    "CREATE UNIQUE INDEX IF NOT EXISTS idx_um_upsert_agent ON usermemories (user_id, key, source_agent_id)"
+    " WHERE visibility != 'global'",
+    "CREATE INDEX IF NOT EXISTS idx_um_user_access_count ON usermemories (user_id, access_count DESC)",
+]
+
+EXPECTED_COLUMNS = {
+    # column: (type, nullable, default)
+    "id": ("character varying(64)", "NO", "(gen_random_uuid())::text"),
+    "user_id": ("character varying(255)", "NO", None),
+    "key": ("character varying(255)", "NO", None),
+    "value": ("jsonb", "YES", None),
+    "category": ("character varying(50)", "NO", "'fact'::character varying"),
+    "visibility": ("character varying(20)", "NO", "'self'::character varying"),
+    "source_agent_id": ("character varying(255)", "YES", None),
+    "group_ids": ("jsonb", "YES", "'[]'::jsonb"),
+    "source_conversation_id": ("character varying(255)", "YES", None),
+    "conflicted": ("boolean", "YES", "false"),
+    "access_count": ("integer", "YES", "0"),
+    "created_at": ("timestamp without time zone", "YES", "CURRENT_TIMESTAMP"),
+    "updated_at": ("timestamp without time zone", "YES", "CURRENT_TIMESTAMP"),
+}
+
+EXPECTED_INDEXES = {
+    "usermemories_pkey": "CREATE UNIQUE INDEX usermemories_pkey ON public.usermemories USING btree (id)",
+    "idx_um_user_vis_agent_key": "CREATE INDEX idx_um_user_vis_agent_key ON public.usermemories USING btree "
+    "(user_id, visibility, source_agent_id, key)",
+    "idx_um_user_updated": "CREATE INDEX idx_um_user_updated ON public.usermemories USING btree "
+    "(user_id, updated_at DESC)",
+    "idx_um_user_category": "CREATE INDEX idx_um_user_category ON public.usermemories USING btree (user_id, category)",
+    "idx_um_user_access_count": "CREATE INDEX idx_um_user_access_count ON public.usermemories USING btree "
+    "(user_id, access_count DESC)",
+    "idx_um_upsert_global": "CREATE UNIQUE INDEX idx_um_upsert_global ON public.usermemories USING btree "
+    "(user_id, key) WHERE ((visibility)::text = 'global'::text)",
+    "idx_um_upsert_agent": "CREATE UNIQUE INDEX idx_um_upsert_agent ON public.usermemories USING btree "
+    "(user_id, key, source_agent_id) WHERE ((visibility)::text <> 'global'::text)",
+}
+
+DREAM_TABLES = {t.name for t in Base.metadata.sorted_tables}
+
+
+@pytest.fixture()
+def empty_pg() -> object:
+    """A brand-new, empty PostgreSQL database (not the run's migrated one)."""
+    name = f"reverie_mig_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    yield pg_url_for(name)
+    dispose_engines()
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def _plain(url: str) -> str:
+    return url.replace("+psycopg", "")
+
+
+def test_empty_database_gets_the_contract_memory_table(empty_pg: str) -> None:
+    before, after = upgrade(_base_settings(database_url=empty_pg))
+    assert (before, after) == (None, head_revision())
+    with psycopg.connect(_plain(empty_pg)) as conn:
+        columns = {
+            name: (dtype, nullable, default)
+            for name, dtype, nullable, default in conn.execute(
+                "SELECT column_name, format_type(a.atttypid, a.atttypmod), is_nullable, column_default "
+                "FROM information_schema.columns c JOIN pg_attribute a "
+                "ON a.attrelid = 'usermemories'::regclass AND a.attname = c.column_name "
+                "WHERE table_name = 'usermemories'"
+            )
+        }
+        indexes = dict(conn.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'usermemories'"))
+        tables = {r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+    assert columns == EXPECTED_COLUMNS
+    assert indexes == EXPECTED_INDEXES
+    assert DREAM_TABLES | {VERSION_TABLE, "usermemories"} == tables
+
+
+def test_migrate_twice_is_a_no_op(empty_pg: str) -> None:
+    settings = _base_settings(database_url=empty_pg)
+    upgrade(settings)
+    assert upgrade(settings) == (head_revision(), head_revision())
+
+
+def _table_fingerprint(url: str) -> tuple[str, str, str]:
+    """Rows (as text, in id order), columns and indexes of usermemories."""
+    with psycopg.connect(_plain(url)) as conn:
+        rows = conn.execute("SELECT t::text FROM usermemories t ORDER BY id").fetchall()
+        cols = conn.execute(
+            "SELECT string_agg(column_name || ':' || data_type || ':' || coalesce(column_default, ''), ',' "
+            "ORDER BY ordinal_position) FROM information_schema.columns WHERE table_name = 'usermemories'"
+        ).fetchone()
+        idx = conn.execute(
+            "SELECT string_agg(indexdef, ';' ORDER BY indexname) FROM pg_indexes WHERE tablename = 'usermemories'"
+        ).fetchone()
+    digest = hashlib.sha256("\n".join(r[0] for r in rows).encode()).hexdigest()
+    return digest, str(cols), str(idx)
+
+
+def test_existing_eddi_table_is_left_byte_for_byte(empty_pg: str) -> None:
+    with psycopg.connect(_plain(empty_pg), autocommit=True) as conn:
+        for statement in EDDI_DDL:
+            conn.execute(statement)
+        # An application that added a column of its own must keep it, too.
+        conn.execute("ALTER TABLE usermemories ADD COLUMN last_accessed_at TIMESTAMP")
+        conn.execute(
+            "INSERT INTO usermemories (user_id, key, value, category, visibility, source_agent_id, access_count, "
+            "created_at, updated_at) SELECT 'u' || (i % 7), 'k' || i, to_jsonb('v' || i), "
+            "(ARRAY['fact','preference','property'])[1 + i % 3], (ARRAY['self','group','global'])[1 + i % 3], "
+            "'agent-' || (i % 2), i % 5, now() - (i || ' days')::interval, now() - (i || ' hours')::interval "
+            "FROM generate_series(1, 300) i"
+        )
+    before = _table_fingerprint(empty_pg)
+    upgrade(_base_settings(database_url=empty_pg))
+    upgrade(_base_settings(database_url=empty_pg))
+    assert _table_fingerprint(empty_pg) == before
+
+
+def test_custom_memory_table_name(empty_pg: str) -> None:
+    upgrade(_base_settings(database_url=empty_pg, memory_table="agent_memory"))
+    with psycopg.connect(_plain(empty_pg)) as conn:
+        names = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'agent_memory'")}
+    assert "idx_agent_memory_upsert_global" in names and "idx_agent_memory_upsert_agent" in names
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_models_and_migrations_agree(backend: str, request: pytest.FixtureRequest) -> None:
+    settings = request.getfixturevalue("pg_settings" if backend == "postgresql" else "sqlite_settings")
+    with get_engine(settings).connect() as connection:
+        context = MigrationContext.configure(
+            connection,
+            opts={
+                "include_name": lambda name, type_, parent: type_ != "table" or str(name).startswith("dream_")
+                and name != VERSION_TABLE,
+                "compare_server_default": False,
+            },
+        )
+        diff = compare_metadata(context, Base.metadata)
+    assert diff == []
+
+
+def test_sqlite_gets_every_table(sqlite_settings: object) -> None:
+    from sqlalchemy import inspect
+
+    names = set(inspect(get_engine(sqlite_settings)).get_table_names())  # type: ignore[arg-type]
+    assert DREAM_TABLES | {"usermemories", VERSION_TABLE} <= names
+
+
+def test_plain_sql_signal_gets_every_default(pg_settings: object) -> None:
+    url = _plain(pg_settings.database_url)  # type: ignore[attr-defined]
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "INSERT INTO dream_signals (kind, user_id, payload) VALUES ('activity', 'u1', '{\"events\": []}') "
+            "RETURNING status, attempts, idempotency_key, enqueued_at, available_at, processed_at"
+        ).fetchone()
+        assert row is not None
+        status, attempts, key, enqueued_at, available_at, processed_at = row
+        assert (status, attempts, processed_at) == ("pending", 0, None)
+        assert len(key) == 64 and enqueued_at is not None and available_at is not None
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute(
+                "INSERT INTO dream_signals (kind, user_id, payload) VALUES ('activity', 'u1', '{\"events\":[]}')"
+            )
