@@ -23,11 +23,22 @@ DURATION = Histogram("dream_duration_seconds", "Wall time of one user's dream ru
 SIGNALS_PROCESSED = Counter(
     "dream_signals_processed_total", "Signals processed, by kind and outcome.", ["kind", "outcome"]
 )
-SIGNAL_LAG = Histogram(
-    "dream_signal_lag_seconds", "Time from enqueue to done, by kind.", ["kind"], buckets=LAG_BUCKETS
-)
+SIGNAL_LAG = Histogram("dream_signal_lag_seconds", "Time from enqueue to done, by kind.", ["kind"], buckets=LAG_BUCKETS)
+# Set from the database by one process at a time: the latest value wins, whichever
+# child wrote it, and survives that child's exit.
 SIGNALS_PENDING = Gauge(
-    "dream_signals_pending", "Signals waiting to be processed, by kind.", ["kind"], multiprocess_mode="livemax"
+    "dream_signals_pending", "Signals waiting to be processed, by kind.", ["kind"], multiprocess_mode="mostrecent"
+)
+SIGNALS_DEAD = Gauge(
+    "dream_signals_dead",
+    "Signals out of attempts, waiting for `reverie signals retry`, by kind.",
+    ["kind"],
+    multiprocess_mode="mostrecent",
+)
+SIGNALS_OLDEST_PENDING_AGE = Gauge(
+    "dream_signals_oldest_pending_age_seconds",
+    "Age of the oldest pending signal (0 when none is pending).",
+    multiprocess_mode="mostrecent",
 )
 MEMORY_WRITES = Counter(
     "dream_memory_writes_total", "Writes to the memory table, by source and action.", ["source", "action"]

@@ -11,23 +11,43 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 # Importing the module registers every family, so an idle run still exposes them all.
 import worker.metrics  # noqa: F401
+from worker.metrics_server import initialise_label_sets
 
 __all__ = ["render", "write_textfile"]
 
+PREFIX = "dream_"
 
-def render(registry: CollectorRegistry = REGISTRY) -> bytes:
-    """The text exposition of ``registry`` (by default, this process's families)."""
+
+class _ReverieFamilies:
+    """Only Reverie's families: a finished cron process's GC and CPU figures mean nothing."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Any]:
+        for family in self._source.collect():
+            if family.name.startswith(PREFIX):
+                yield family
+
+
+def render(source: CollectorRegistry = REGISTRY) -> bytes:
+    """The text exposition of every ``dream_*`` family in ``source`` (default: this process)."""
+    initialise_label_sets()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ReverieFamilies(source))
     data: bytes = generate_latest(registry)
     return data
 
 
-def write_textfile(path: Path, registry: CollectorRegistry = REGISTRY) -> None:
+def write_textfile(path: Path, source: CollectorRegistry = REGISTRY) -> None:
     """Atomically replace ``path`` with the current values of every family.
 
     The parent directory must exist. The file is world-readable (0644), as the
@@ -35,7 +55,7 @@ def write_textfile(path: Path, registry: CollectorRegistry = REGISTRY) -> None:
     and the temporary file is removed.
     """
     path = Path(path)
-    data = render(registry)
+    data = render(source)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:

@@ -1,0 +1,143 @@
+"""Celery signal handlers: logging, log context and metrics for every worker process.
+
+Imported by ``worker.app``; importing it connects the handlers. What a worker gets:
+
+* logging configured by :func:`worker.logging_setup.configure_logging` instead of
+  Celery's own (Celery's success line no longer prints task return values);
+* task events on, so a standard Celery exporter works beside Reverie;
+* in the parent, a ``/metrics`` endpoint on ``REVERIE_METRICS_PORT`` summing every
+  prefork child (see :mod:`worker.metrics_server`);
+* per task, ``task_id``, ``task_name`` and (when the task has them) ``run_id`` and
+  ``signal_id`` bound to the structlog context, cleared when the task ends.
+
+The periodic ``dream_signals_pending`` refresh is :func:`refresh_pending_gauge`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+from celery import signals
+from celery.app import trace as celery_trace
+
+from worker import metrics_server
+from worker.errors import ReverieError
+from worker.logging_setup import configure_logging, route_litellm_logging
+from worker.logs import get_logger
+from worker.metrics_server import refresh_pending_gauge
+from worker.settings import get_settings
+
+__all__ = ["refresh_pending_gauge"]
+
+log = get_logger("reverie.worker")
+
+_server: metrics_server.MetricsServer | None = None
+_started: dict[str, float] = {}
+# Task keyword arguments worth carrying on every log line of the task (ids only).
+_CONTEXT_KWARGS = ("run_id", "signal_id")
+
+
+def _started_as_worker(argv: list[str]) -> bool:
+    program = Path(argv[0]).name if argv else ""
+    runs_celery = program in {"celery", "reverie", "__main__.py"} or argv[0].endswith(("/celery", "celery/__main__.py"))
+    return runs_celery and "worker" in argv[1:]
+
+
+# prometheus-client picks file-backed values only if the directory is named before
+# its first import. `reverie worker` names it before importing the app; this covers
+# `celery -A worker.app worker`, which imports this module before the task modules.
+if _started_as_worker(sys.argv) and "prometheus_client.values" not in sys.modules:
+    metrics_server.prepare_multiprocess_dir()
+
+
+def _setup_logging(**_: Any) -> None:
+    # Connecting this handler at all stops Celery from installing its own root handler.
+    configure_logging(get_settings())
+
+
+def _celeryd_init(conf: Any = None, **_: Any) -> None:
+    if conf is not None:
+        conf.worker_send_task_events = True
+        conf.task_send_sent_event = True
+    # The stock line ends with the task's return value, which is the task's business.
+    celery_trace.LOG_SUCCESS = "Task %(name)s[%(id)s] succeeded in %(runtime)ss"
+
+
+def _worker_init(**_: Any) -> None:
+    global _server  # noqa: PLW0603 - one endpoint per worker parent
+    settings = get_settings()
+    directory = metrics_server.multiprocess_dir()
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        removed = metrics_server.wipe_multiprocess_dir(directory, keep_pid=os.getpid())
+        log.info("metrics directory wiped", files_removed=removed)
+    else:
+        log.warning(
+            "metrics are not in multiprocess mode; prefork children will not be counted",
+            hint=f"set {metrics_server.ENV_VAR} before starting the worker",
+        )
+    try:
+        _server = metrics_server.serve(settings)
+    except ReverieError as exc:
+        # A worker without metrics still does its job; the scrape will show it down.
+        log.error("metrics endpoint not started", error=str(exc))
+        return
+    log.info("metrics endpoint serving", port=_server.port, path="/metrics")
+
+
+def _worker_shutdown(**_: Any) -> None:
+    global _server  # noqa: PLW0603 - one endpoint per worker parent
+    if _server is not None:
+        _server.close()
+        _server = None
+
+
+def _worker_process_init(**_: Any) -> None:
+    structlog.contextvars.clear_contextvars()
+    _started.clear()
+
+
+def _worker_process_shutdown(pid: int | None = None, **_: Any) -> None:
+    metrics_server.mark_dead(pid if pid is not None else os.getpid())
+
+
+def _task_prerun(task_id: str | None = None, task: Any = None, kwargs: Any = None, **_: Any) -> None:
+    structlog.contextvars.clear_contextvars()
+    context: dict[str, Any] = {"task_id": task_id, "task_name": getattr(task, "name", None)}
+    if isinstance(kwargs, dict):
+        context.update({key: kwargs[key] for key in _CONTEXT_KWARGS if isinstance(kwargs.get(key), int | str)})
+    structlog.contextvars.bind_contextvars(**{k: v for k, v in context.items() if v is not None})
+    if task_id is not None:
+        _started[task_id] = time.monotonic()
+    if "litellm" in sys.modules:
+        route_litellm_logging()
+
+
+def _task_failure(task_id: str | None = None, exception: BaseException | None = None, **_: Any) -> None:
+    # Our own errors say what went wrong without user data; others are named by type only,
+    # since a driver's message can quote the row it failed on.
+    detail = str(exception) if isinstance(exception, ReverieError) else None
+    log.warning("task failed", error_type=type(exception).__name__, error=detail)
+
+
+def _task_postrun(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
+    started = _started.pop(task_id, None) if task_id is not None else None
+    elapsed = None if started is None else round(time.monotonic() - started, 4)
+    log.debug("task finished", state=state, duration_seconds=elapsed)
+    structlog.contextvars.clear_contextvars()
+
+
+signals.setup_logging.connect(_setup_logging)
+signals.celeryd_init.connect(_celeryd_init)
+signals.worker_init.connect(_worker_init)
+signals.worker_shutdown.connect(_worker_shutdown)
+signals.worker_process_init.connect(_worker_process_init)
+signals.worker_process_shutdown.connect(_worker_process_shutdown)
+signals.task_prerun.connect(_task_prerun)
+signals.task_failure.connect(_task_failure)
+signals.task_postrun.connect(_task_postrun)

@@ -1,0 +1,222 @@
+"""The worker's ``/metrics`` endpoint, aggregating every prefork child.
+
+prometheus-client's multiprocess mode keeps each process's values in files under
+``PROMETHEUS_MULTIPROC_DIR``. It decides between in-memory and file-backed values
+when it is first imported, so the directory has to be named before that:
+:func:`prepare_multiprocess_dir` does it for ``reverie worker``. The worker's parent
+then wipes what earlier runs left (:func:`wipe_multiprocess_dir`) and serves the sum
+of all files (:func:`serve`); children that exit are marked dead so that their live
+gauges stop counting.
+
+``prometheus_client`` (and ``worker.metrics``, which imports it) is imported inside
+functions on purpose: importing it here would fix single-process mode before
+:func:`prepare_multiprocess_dir` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker.errors import ConfigError
+from worker.settings import Settings
+
+# The environment variable is prometheus-client's own switch, not a Reverie setting.
+ENV_VAR = "PROMETHEUS_MULTIPROC_DIR"
+_LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
+_PID_FILE = re.compile(r"_(\d+)\.db$")
+
+
+def multiprocess_dir() -> Path | None:
+    """The directory prometheus-client writes to in this process, or ``None``."""
+    value = os.environ.get(ENV_VAR) or os.environ.get(ENV_VAR.lower())
+    return Path(value) if value else None
+
+
+def prepare_multiprocess_dir(directory: Path | None = None) -> Path:
+    """Switch this process (and the children it forks) to multiprocess metrics.
+
+    Uses ``directory``, else an already set ``PROMETHEUS_MULTIPROC_DIR``, else a new
+    directory under the system temp dir; creates it, empties it and exports it.
+    Must run before anything imports ``prometheus_client`` (``worker.metrics`` does);
+    raises :class:`ConfigError` when that has already happened without it.
+    """
+    current = multiprocess_dir()
+    if "prometheus_client.values" in sys.modules and current is None:
+        raise ConfigError(
+            f"prometheus_client was imported before {ENV_VAR} was set; "
+            "metrics of worker children would be lost (start the worker with `reverie worker`)"
+        )
+    chosen = directory or current or Path(tempfile.gettempdir()) / f"reverie-metrics-{os.getpid()}"
+    chosen.mkdir(parents=True, exist_ok=True)
+    wipe_multiprocess_dir(chosen)
+    os.environ[ENV_VAR] = str(chosen)
+    return chosen
+
+
+def wipe_multiprocess_dir(directory: Path, *, keep_pid: int | None = None) -> int:
+    """Delete the value files of earlier processes; return how many were removed.
+
+    Files of ``keep_pid`` (the serving process, whose values are already mapped)
+    survive. Files that are not prometheus-client's are left alone.
+    """
+    removed = 0
+    for path in directory.glob("*.db"):
+        match = _PID_FILE.search(path.name)
+        if match is None or (keep_pid is not None and int(match.group(1)) == keep_pid):
+            continue
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def mark_dead(pid: int) -> None:
+    """Stop counting the live gauges of process ``pid`` (a child that exited)."""
+    directory = multiprocess_dir()
+    if directory is None:
+        return
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_dead_processes(directory: Path) -> list[int]:
+    """Mark dead every process with live-gauge files that no longer runs.
+
+    A child killed outright (OOM, hard time limit) never sends
+    ``worker_process_shutdown``; this catches it at the next scrape.
+    """
+    dead: list[int] = []
+    for path in directory.glob("gauge_live*.db"):
+        match = _LIVE_GAUGE_FILE.match(path.name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid != os.getpid() and not _alive(pid) and pid not in dead:
+            dead.append(pid)
+    for pid in dead:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+    return dead
+
+
+class _ReapingCollector:
+    """MultiProcessCollector that first forgets the live gauges of dead processes."""
+
+    def __init__(self, directory: Path) -> None:
+        from prometheus_client import multiprocess
+
+        self._directory = directory
+        self._inner = multiprocess.MultiProcessCollector(None, path=str(directory))  # type: ignore[no-untyped-call]
+
+    def collect(self) -> Iterable[Any]:
+        reap_dead_processes(self._directory)
+        return self._inner.collect()  # type: ignore[no-untyped-call,no-any-return]
+
+
+def initialise_label_sets() -> None:
+    """Create the zero-valued series whose label values are known in advance.
+
+    Counters that exist from the start let ``increase()`` and alerts see the first
+    event; otherwise the first ``dead`` signal would only create the series.
+    """
+    from worker import metrics
+    from worker.payloads import KINDS
+
+    for kind in KINDS:
+        metrics.SIGNAL_LAG.labels(kind)
+        for outcome in metrics.SIGNAL_OUTCOMES:
+            metrics.SIGNALS_PROCESSED.labels(kind, outcome)
+    for scope in ("run", "day"):
+        metrics.BUDGET_EXHAUSTED.labels(scope)
+
+
+def build_registry() -> Any:
+    """The registry to expose: all processes' files in multiprocess mode, else this process."""
+    from prometheus_client import REGISTRY, CollectorRegistry, ProcessCollector
+
+    directory = multiprocess_dir()
+    if directory is None:
+        return REGISTRY
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ReapingCollector(directory))
+    # The serving process's own start time and resources: "how long has the worker been up".
+    ProcessCollector(registry=registry)
+    return registry
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint; :meth:`close` stops it."""
+
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve(settings: Settings, *, addr: str = "0.0.0.0") -> MetricsServer:  # noqa: S104 - scraped from other hosts
+    """Serve ``/metrics`` on ``settings.metrics_port`` from a daemon thread.
+
+    In multiprocess mode the page sums the files of every process, so one endpoint in
+    the worker's parent covers all of its children. Raises :class:`ConfigError` when
+    the port is taken.
+    """
+    from prometheus_client import start_http_server
+
+    import worker.metrics  # noqa: F401 - registers every family in single-process mode
+
+    initialise_label_sets()
+    try:
+        server, thread = start_http_server(settings.metrics_port, addr=addr, registry=build_registry())
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on port {settings.metrics_port}: {exc.strerror or exc}") from exc
+    return MetricsServer(port=settings.metrics_port, _server=server, _thread=thread)
+
+
+def refresh_pending_gauge(settings: Settings) -> dict[str, int]:
+    """Set ``dream_signals_pending{kind}`` (and the dead and oldest-age gauges) from the database.
+
+    Waiting means ``pending`` or ``failed`` (due for a retry). Every kind gets a value,
+    zero included, so a drained queue reads 0 rather than a stale number. Returns the
+    pending counts by kind. Runs on a short beat interval in the worker.
+    """
+    from store import signals as signal_store
+    from store.db import session_scope
+    from store.types import now
+    from worker import metrics
+    from worker.payloads import KINDS
+
+    with session_scope(settings) as session:
+        waiting = signal_store.pending_counts(session)
+        by_status = signal_store.count_by_status(session)
+        oldest = signal_store.oldest_pending(session)
+    pending = {kind: int(waiting.get(kind, 0)) for kind in KINDS}
+    for kind, count in pending.items():
+        metrics.SIGNALS_PENDING.labels(kind).set(count)
+        metrics.SIGNALS_DEAD.labels(kind).set(int(by_status.get((kind, "dead"), 0)))
+    age = 0.0 if oldest is None else max((now() - oldest).total_seconds(), 0.0)
+    metrics.SIGNALS_OLDEST_PENDING_AGE.set(age)
+    return pending
