@@ -68,3 +68,12 @@ class UserBusy(ReverieError):
 
     def __init__(self, user_hash: str) -> None:
         super().__init__(f"a dream for user {user_hash} is already running")
+
+
+class BrokerUnavailable(TransientError):
+    """The message broker refused or could not take a message; ``sent`` went out before."""
+
+    def __init__(self, reason: str, sent: int = 0) -> None:
+        self.reason = reason
+        self.sent = sent
+        super().__init__(f"message broker unavailable: {reason}")
