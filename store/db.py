@@ -132,7 +132,7 @@ def _is_connect_error(exc: OperationalError) -> bool:
             "no route to host",
             "name or service not known",
             "password authentication failed",
-            "database \"",
+            'database "',
             "server closed the connection",
             "terminating connection",
         )
@@ -145,9 +145,8 @@ def _first_line(exc: BaseException | None) -> str:
 
 def check_connection(settings: Settings) -> None:
     """Connect once, so commands fail with one clear line before doing any work."""
-    with translate_errors(settings):
-        with get_engine(settings).connect():
-            pass
+    with translate_errors(settings), get_engine(settings).connect():
+        pass
 
 
 def has_table(settings: Settings, name: str) -> bool:

@@ -8,6 +8,7 @@ updates while Reverie works is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from dataclasses import dataclass
@@ -45,10 +46,8 @@ def jsonable_row(row: Any) -> dict[str, Any]:
             value = value.isoformat()
         elif isinstance(value, str) and key in ("value", "group_ids"):
             # SQLite hands JSON back as text when read through a plain select.
-            try:
+            with contextlib.suppress(ValueError):
                 value = json.loads(value)
-            except ValueError:
-                pass
         out[key] = value
     return out
 
@@ -375,3 +374,23 @@ def _replace(
         at=at,
     )
     return Upserted(existing.id, "update")
+
+
+def user_entries(session: Session, table: Table, user_id: str, *, lock: bool = False) -> list[Any]:
+    """Every entry of one user, oldest first (``lock``: FOR UPDATE on PostgreSQL)."""
+    stmt = select(table).where(table.c.user_id == user_id).order_by(table.c.created_at, table.c.id)
+    if lock:
+        stmt = stmt.with_for_update()
+    return list(session.execute(stmt).all())
+
+
+def set_conflicted(session: Session, table: Table, entry_ids: list[str], flag: bool) -> int:
+    """Set ``conflicted`` on the given entries (only where it differs); returns rows changed."""
+    if not entry_ids:
+        return 0
+    result = session.execute(
+        update(table)
+        .where(table.c.id.in_(entry_ids), func.coalesce(table.c.conflicted, False).is_not(flag))
+        .values(conflicted=flag)
+    )
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]

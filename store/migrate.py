@@ -37,9 +37,7 @@ def _config_for_scripts() -> Config:
 
 def current_revision(settings: Settings) -> str | None:
     with translate_errors(settings), get_engine(settings).connect() as connection:
-        return MigrationContext.configure(
-            connection, opts={"version_table": VERSION_TABLE}
-        ).get_current_revision()
+        return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE}).get_current_revision()
 
 
 def upgrade(settings: Settings, revision: str = "head") -> tuple[str | None, str]:

@@ -282,9 +282,7 @@ class Observation(Base):
     last_seen_at: Mapped[datetime] = mapped_column(server_default=utcnow())
     promoted_at: Mapped[datetime | None]
 
-    __table_args__ = (
-        Index("uq_dream_observations_candidate", "user_id", "agent_id", "key", unique=True),
-    )
+    __table_args__ = (Index("uq_dream_observations_candidate", "user_id", "agent_id", "key", unique=True),)
 
 
 class ActivityEvent(Base):

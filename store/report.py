@@ -22,7 +22,7 @@ def conflicted_entries(session: Session, table: Table) -> list[tuple[str, str, s
         .where(table.c.conflicted.is_(True))
         .order_by(table.c.user_id, table.c.key)
     )
-    return [tuple(r) for r in rows]  # type: ignore[misc]
+    return [(r.user_id, r.key, r.source_agent_id, r.visibility) for r in rows]
 
 
 def runs(session: Session) -> Sequence[Run]:
@@ -49,8 +49,9 @@ def signals(session: Session) -> Sequence[Signal]:
 def written_entries(session: Session, table: Table, sources: tuple[str, ...]) -> list[dict[str, Any]]:
     """Entries Reverie wrote from signals (joined to their events), newest last."""
     rows = session.execute(
-        select(Event.source, Event.action, Event.signal_id, table.c.user_id, table.c.key, table.c.value,
-               table.c.category)
+        select(
+            Event.source, Event.action, Event.signal_id, table.c.user_id, table.c.key, table.c.value, table.c.category
+        )
         .join(table, table.c.id == Event.entry_id)
         .where(Event.source.in_(sources), Event.action != "delete")
         .order_by(Event.id)

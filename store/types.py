@@ -46,7 +46,7 @@ def now() -> datetime:
 
 
 def usd_to_nano(usd: float) -> int:
-    return int(round(usd * NANO))
+    return round(usd * NANO)
 
 
 def nano_to_usd(nano: int) -> float:

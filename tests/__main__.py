@@ -47,7 +47,7 @@ def ensure_services() -> None:
         binary = start.split()[0]
         if shutil.which(binary):
             print(f"{name} is not answering on {host}:{port}; starting it: {start}", flush=True)
-            subprocess.run(start, shell=True, check=False)  # noqa: S602 - a fixed, documented command
+            subprocess.run(start, shell=True, check=False)
             for _ in range(30):
                 if _answers(host, port):
                     break

@@ -15,8 +15,9 @@ from worker.settings import Settings
 REVERIE = [sys.executable, "-c", "from worker.cli import main; main()"]
 
 
-def run(args: list[str], *, env: dict[str, str] | None = None, stdin: str | None = None,
-        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    args: list[str], *, env: dict[str, str] | None = None, stdin: str | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
     full_env.update(env or {})
     return subprocess.run(
@@ -92,8 +93,11 @@ def test_enqueue_roundtrip_and_duplicate(pg_settings: Settings, tmp_path: Path) 
             '{"conversation_id": "c", "messages": [{"role": "robot", "content": "x"}]}',
             ("payload.messages[0].role",),
         ),
-        (["enqueue", "feedback", "--user", "u", "--payload", "-"], '{"original": "a", "edited": "b"}',
-         ("deliverable_id",)),
+        (
+            ["enqueue", "feedback", "--user", "u", "--payload", "-"],
+            '{"original": "a", "edited": "b"}',
+            ("deliverable_id",),
+        ),
         (["enqueue", "activity", "--user", "", "--payload", "-"], '{"events": []}', ("user_id",)),
         (
             ["enqueue", "activity", "--user", "u", "--payload", "-"],
@@ -115,8 +119,9 @@ def test_enqueue_bad_input_is_one_line_and_writes_nothing(
 def test_oversized_payload_is_refused(pg_settings: Settings) -> None:
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_MAX_PAYLOAD_BYTES": "2048"}
     big = json.dumps({"conversation_id": "c", "messages": [{"role": "user", "content": "x" * 5000}]})
-    assert_one_line_error(run(["enqueue", "session_end", "--user", "u", "--payload", "-"], env=env, stdin=big),
-                          "payload", "2048")
+    assert_one_line_error(
+        run(["enqueue", "session_end", "--user", "u", "--payload", "-"], env=env, stdin=big), "payload", "2048"
+    )
 
 
 def test_signals_retry_needs_a_target(pg_settings: Settings) -> None:

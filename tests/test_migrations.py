@@ -167,8 +167,9 @@ def test_models_and_migrations_agree(backend: str, request: pytest.FixtureReques
         context = MigrationContext.configure(
             connection,
             opts={
-                "include_name": lambda name, type_, parent: type_ != "table" or str(name).startswith("dream_")
-                and name != VERSION_TABLE,
+                "include_name": lambda name, type_, parent: (
+                    type_ != "table" or (str(name).startswith("dream_") and name != VERSION_TABLE)
+                ),
                 "compare_server_default": False,
             },
         )

@@ -19,8 +19,16 @@ def _seed(settings: Settings) -> None:
             session,
             table,
             [
-                {"id": f"e{i}", "user_id": "u1" if i < 4 else "u2", "key": f"k{i}", "value": {"n": i},
-                 "source_agent_id": "a1", "created_at": now(), "updated_at": now(), "group_ids": ["g1"]}
+                {
+                    "id": f"e{i}",
+                    "user_id": "u1" if i < 4 else "u2",
+                    "key": f"k{i}",
+                    "value": {"n": i},
+                    "source_agent_id": "a1",
+                    "created_at": now(),
+                    "updated_at": now(),
+                    "group_ids": ["g1"],
+                }
                 for i in range(6)
             ],
         )

@@ -25,8 +25,8 @@ from worker.settings import Settings
 
 
 def demo_settings(path: Path) -> Settings:
-    # The demo ignores REVERIE_* and .env on purpose: it always runs embedded and offline.
-    return Settings(  # type: ignore[call-arg]
+    # Whatever REVERIE_* or .env say, the demo's store, model and broker are embedded.
+    return Settings(
         _env_file=None,
         database_url=f"sqlite:///{path.resolve()}",
         llm_model="offline",
@@ -113,8 +113,15 @@ def _summarize(settings: Settings, result: Any) -> dict[str, Any]:
             "written": report.written_entries(session, table, ("session_end", "feedback", "activity", "summarize")),
             "signals": [(s.id, s.kind, s.user_id, s.status, s.last_error) for s in report.signals(session)],
             "runs": [
-                (r.id, r.user_id, r.status, r.entries_pruned, r.contradictions_found, r.entries_summarized,
-                 nano_to_usd(r.cost_nano))
+                (
+                    r.id,
+                    r.user_id,
+                    r.status,
+                    r.entries_pruned,
+                    r.contradictions_found,
+                    r.entries_summarized,
+                    nano_to_usd(r.cost_nano),
+                )
                 for r in runs
             ],
             "entries_after": report.memory_counts(session, table),

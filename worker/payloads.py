@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -29,7 +30,7 @@ MAX_DEPTH = 32
 MAX_ID_LENGTH = 255
 
 
-@lru_cache(maxsize=None)
+@cache
 def schema(kind: str) -> dict[str, Any]:
     """The published JSON Schema for one payload kind."""
     text = resources.files("worker.schemas").joinpath(f"{kind}.json").read_text("utf-8")
@@ -37,7 +38,7 @@ def schema(kind: str) -> dict[str, Any]:
     return loaded
 
 
-@lru_cache(maxsize=None)
+@cache
 def _validator(kind: str) -> Draft202012Validator:
     return Draft202012Validator(schema(kind))
 
@@ -149,7 +150,11 @@ def _timestamps(kind: str, payload: dict[str, Any]) -> Iterator[tuple[str, Any]]
 
 
 def _first_error(kind: str, payload: dict[str, Any]) -> ValidationError | None:
-    errors = sorted(_validator(kind).iter_errors(payload), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    # The shallowest error first: "messages is missing" before "messages[3].role is wrong".
+    errors = sorted(
+        _validator(kind).iter_errors(payload),
+        key=lambda e: (e.json_path.count(".") + e.json_path.count("["), e.json_path),
+    )
     return errors[0] if errors else None
 
 
@@ -161,7 +166,8 @@ def _describe(error: ValidationError) -> str:
     if validator == "type":
         return f"must be {_type_words(error.validator_value)}, not {_json_type(error.instance)}"
     if validator == "enum":
-        return f"must be one of {', '.join(map(str, error.validator_value))}"
+        allowed: Any = error.validator_value
+        return f"must be one of {', '.join(str(v) for v in allowed)}"
     if validator == "minLength":
         return "must not be empty"
     if validator == "maxLength":
@@ -217,5 +223,5 @@ def _check_depth_and_nul(value: Any, path: str, depth: int) -> None:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _check_depth_and_nul(item, f"{path}[{i}]", depth + 1)
-    elif isinstance(value, float) and value != value:
+    elif isinstance(value, float) and math.isnan(value):
         raise InvalidSignal(path, "is NaN, which JSON does not allow")

@@ -22,9 +22,7 @@ def _csv(value: str) -> tuple[str, ...]:
 class Settings(BaseSettings):
     """Every knob Reverie has. Per-agent policies override the dream defaults."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="REVERIE_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
-    )
+    model_config = SettingsConfigDict(env_prefix="REVERIE_", env_file=".env", env_file_encoding="utf-8", extra="ignore")
 
     # -- connections --------------------------------------------------------------
     database_url: str = DEFAULT_DATABASE_URL

@@ -14,7 +14,7 @@ import typer
 from worker.cli.common import app, fail
 
 # Each module registers its commands on ``app``.
-from worker.cli import signal_cmds, store_cmds  # noqa: E402,F401  isort: skip
+from worker.cli import signal_cmds, store_cmds  # noqa: F401  isort: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         fail("interrupted", code=130)
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, no traceback
+    except Exception as exc:
         from worker.cli.common import describe_error
 
         fail(describe_error(exc))

@@ -54,7 +54,8 @@ def enqueue(
         print(f"enqueued signal {result.signal_id} ({kind}), idempotency key {result.idempotency_key}")
     else:
         print(
-            f"duplicate: signal {result.signal_id} already has idempotency key {result.idempotency_key}; nothing written"
+            f"duplicate: signal {result.signal_id} already has idempotency key "
+            f"{result.idempotency_key}; nothing written"
         )
 
 
@@ -99,8 +100,12 @@ def list_(
     for column in ("id", "kind", "user", "agent", "status", "attempts", "enqueued_at", "last_error"):
         table.add_column(column, overflow="fold")
     for r in records:
-        table.add_row(*(str(r[c]) if r[c] is not None else "" for c in
-                        ("id", "kind", "user", "agent", "status", "attempts", "enqueued_at", "last_error")))
+        table.add_row(
+            *(
+                str(r[c]) if r[c] is not None else ""
+                for c in ("id", "kind", "user", "agent", "status", "attempts", "enqueued_at", "last_error")
+            )
+        )
     Console().print(table)
 
 
