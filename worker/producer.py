@@ -7,7 +7,6 @@ transaction (a transactional outbox); without it, in a transaction of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +26,6 @@ class Enqueued:
     signal_id: int
     idempotency_key: str
     created: bool
-
-
-#: Called with (settings, signal_id) after the row is committed. The Celery side
-#: installs a wake-up here; a missed wake-up is harmless (beat's sweeper re-sends).
-after_commit_hooks: list[Callable[[Settings, int], None]] = []
 
 
 def enqueue_signal(
@@ -67,23 +61,26 @@ def enqueue_signal(
 
     if session is not None:
         result = write(session)
-        if result.created and after_commit_hooks:
+        if result.created:
             _after_commit(session, settings, result.signal_id)
         return result
     with session_scope(settings) as own:
         result = write(own)
     if result.created:
-        _run_hooks(settings, result.signal_id)
+        _wake(settings, result.signal_id)
     return result
 
 
 def _after_commit(session: Session, settings: Settings, signal_id: int) -> None:
     def fire(_session: Session) -> None:
-        _run_hooks(settings, signal_id)
+        _wake(settings, signal_id)
 
     event.listen(session, "after_commit", fire, once=True)
 
 
-def _run_hooks(settings: Settings, signal_id: int) -> None:
-    for hook in after_commit_hooks:
-        hook(settings, signal_id)
+def _wake(settings: Settings, signal_id: int) -> None:
+    # Only after the commit, so the worker never looks for a row it cannot see yet;
+    # imported here because the wake-up loads Celery, which producers need not pay for.
+    from worker.wakeup import wake_signal
+
+    wake_signal(settings, signal_id)

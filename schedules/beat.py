@@ -1,0 +1,50 @@
+"""Beat's schedule: a handful of periodic tasks, none per user.
+
+Per-user timing lives in ``dream_user_state``; beat only ticks the dispatcher, which
+claims the users that are due. Every entry expires when the next one would fire, so a
+beat that was down, or a worker backlog, never piles up stale ticks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.schedules import crontab
+
+from worker.settings import Settings
+
+#: Routine detection runs once a day, at a quiet hour (UTC).
+ROUTINES_AT = {"hour": 3, "minute": 17}
+ADOPT_EVERY_SECONDS = 3600.0
+PENDING_GAUGE_EVERY_SECONDS = 15.0
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The ``beat_schedule`` setting for ``settings``."""
+    return {
+        "dispatch-due-users": {
+            "task": "schedules.dispatch",
+            "schedule": settings.dispatch_interval_seconds,
+            "options": {"expires": settings.dispatch_interval_seconds},
+        },
+        "sweep-stranded-signals": {
+            "task": "schedules.sweep",
+            "schedule": settings.sweep_interval_seconds,
+            "options": {"expires": settings.sweep_interval_seconds},
+        },
+        "adopt-unseen-users": {
+            "task": "schedules.adopt",
+            "schedule": ADOPT_EVERY_SECONDS,
+            "options": {"expires": ADOPT_EVERY_SECONDS},
+        },
+        "detect-routines": {
+            "task": "activity.routines",
+            "schedule": crontab(**ROUTINES_AT),
+            "options": {"expires": 6 * 3600},
+        },
+        "refresh-pending-gauge": {
+            "task": "metrics.refresh_pending",
+            "schedule": PENDING_GAUGE_EVERY_SECONDS,
+            "options": {"expires": PENDING_GAUGE_EVERY_SECONDS},
+        },
+    }

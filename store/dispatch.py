@@ -1,0 +1,201 @@
+"""Queries for beat's dispatcher and sweeper: claiming due users, finding stranded signals.
+
+A user is due when ``next_dream_at`` has passed, or when a change marked them dirty at
+least ``dirty_delay`` ago and no run has been sent since that change (or the one sent
+is older than the dispatch lease). Claiming advances ``next_dream_at`` to the user's
+next slot and stamps ``dispatched_at`` in the same statement; on PostgreSQL it locks
+with ``FOR UPDATE SKIP LOCKED`` through the two schedule indexes, so its cost follows
+the number of due users and a concurrent claim never returns the same user.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from datetime import datetime, timedelta
+from typing import cast
+
+from sqlalchemy import Table, bindparam, or_, select, text, union, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from store.memories import table_for
+from store.models import Signal, UserState
+from worker.settings import Settings
+
+EPOCH = datetime(1970, 1, 1)
+_HASH_SPACE = 2**32
+
+# The phase below is the first 32 bits of md5(user_id), the same in Python and SQL, so
+# a slot computed by either side agrees.
+_PG_CLAIM = text(
+    """
+WITH timed AS (
+    SELECT user_id FROM dream_user_state
+    WHERE next_dream_at <= :at
+    ORDER BY next_dream_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+), dirty AS (
+    SELECT user_id FROM dream_user_state
+    WHERE dirty_since IS NOT NULL
+      AND dirty_since <= :dirty_cutoff
+      AND (dispatched_at IS NULL OR dispatched_at <= dirty_since OR dispatched_at < :lease_cutoff)
+    ORDER BY dirty_since
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+), due AS (
+    SELECT user_id FROM timed UNION SELECT user_id FROM dirty LIMIT :limit
+), phased AS (
+    SELECT user_id,
+           (('x' || substr(md5(user_id), 1, 8))::bit(32)::bigint / 4294967296.0) * :interval AS phase
+    FROM due
+)
+UPDATE dream_user_state AS s
+SET next_dream_at = TIMESTAMP '1970-01-01'
+        + make_interval(secs => ceil((:base - p.phase) / :interval) * :interval + p.phase),
+    dispatched_at = :at
+FROM phased AS p
+WHERE s.user_id = p.user_id
+RETURNING s.user_id
+"""
+)
+
+
+def phase_seconds(user_id: str, interval_seconds: float) -> float:
+    """The user's fixed offset within the dream interval, in ``[0, interval)``."""
+    digest = hashlib.md5(user_id.encode("utf-8"), usedforsecurity=False).hexdigest()
+    return int(digest[:8], 16) / _HASH_SPACE * interval_seconds
+
+
+def next_slot(user_id: str, after: datetime, interval_seconds: float) -> datetime:
+    """The user's next dream time: on their own phase, between half and one and a half
+    intervals after ``after``, so users spread evenly over the interval and one who
+    just dreamed is not due again at once."""
+    phase = phase_seconds(user_id, interval_seconds)
+    base = (after - EPOCH).total_seconds() + interval_seconds / 2
+    seconds = math.ceil((base - phase) / interval_seconds) * interval_seconds + phase
+    return EPOCH + timedelta(seconds=seconds)
+
+
+def claim_due_users(
+    session: Session,
+    *,
+    at: datetime,
+    limit: int,
+    interval_seconds: float,
+    dirty_delay_seconds: float,
+    lease_seconds: float,
+) -> list[str]:
+    """Claim up to ``limit`` due users: advance each to their next slot, stamp the
+    dispatch, and return their ids (in no particular order). Commit before sending."""
+    dirty_cutoff = at - timedelta(seconds=dirty_delay_seconds)
+    lease_cutoff = at - timedelta(seconds=lease_seconds)
+    if session.get_bind().dialect.name == "postgresql":
+        params = {
+            "at": at,
+            "limit": limit,
+            "dirty_cutoff": dirty_cutoff,
+            "lease_cutoff": lease_cutoff,
+            "interval": float(interval_seconds),
+            "base": (at - EPOCH).total_seconds() + interval_seconds / 2,
+        }
+        return list(session.scalars(_PG_CLAIM, params))
+    return _claim_portable(
+        session,
+        at=at,
+        limit=limit,
+        interval_seconds=interval_seconds,
+        dirty_cutoff=dirty_cutoff,
+        lease_cutoff=lease_cutoff,
+    )
+
+
+def _claim_portable(
+    session: Session,
+    *,
+    at: datetime,
+    limit: int,
+    interval_seconds: float,
+    dirty_cutoff: datetime,
+    lease_cutoff: datetime,
+) -> list[str]:
+    # SQLite has one writer at a time: the UPDATE takes the write lock before it reads,
+    # so a concurrent claim waits and then no longer sees these users as due.
+    timed = select(UserState.user_id).where(UserState.next_dream_at <= at)
+    dirty = select(UserState.user_id).where(
+        UserState.dirty_since.is_not(None),
+        UserState.dirty_since <= dirty_cutoff,
+        or_(
+            UserState.dispatched_at.is_(None),
+            UserState.dispatched_at <= UserState.dirty_since,
+            UserState.dispatched_at < lease_cutoff,
+        ),
+    )
+    due = union(timed, dirty).subquery()
+    claimed = list(
+        session.scalars(
+            update(UserState)
+            .where(UserState.user_id.in_(select(due.c.user_id).limit(limit)))
+            .values(dispatched_at=at)
+            .returning(UserState.user_id)
+        )
+    )
+    if claimed:
+        table = cast(Table, UserState.__table__)
+        session.execute(
+            update(table).where(table.c.user_id == bindparam("uid")).values(next_dream_at=bindparam("next_at")),
+            [{"uid": uid, "next_at": next_slot(uid, at, interval_seconds)} for uid in claimed],
+        )
+    return claimed
+
+
+def release_users(session: Session, user_ids: list[str], *, at: datetime) -> None:
+    """Undo a claim whose runs could not be sent: the users are due again at ``at``."""
+    if user_ids:
+        session.execute(
+            update(UserState).where(UserState.user_id.in_(user_ids)).values(next_dream_at=at, dispatched_at=None)
+        )
+
+
+def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime) -> int:
+    """Give every user of the memory table without a schedule row one, due at ``at``.
+
+    This reads the whole memory table, so it runs rarely (beat: hourly), never per tick.
+    """
+    memories = table_for(settings)
+    unseen = (
+        select(memories.c.user_id, bindparam("at", at).label("next_dream_at"))
+        .where(~select(UserState.user_id).where(UserState.user_id == memories.c.user_id).exists())
+        .distinct()
+    )
+    dialect = session.get_bind().dialect.name
+    adopt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(UserState)
+    # A concurrent mark_dirty may create the row first; that row wins.
+    statement = (
+        adopt.from_select(["user_id", "next_dream_at"], unseen)
+        .on_conflict_do_nothing(index_elements=["user_id"])
+        .returning(UserState.user_id)
+    )
+    return len(session.execute(statement).all())
+
+
+def stranded_signal_ids(session: Session, *, at: datetime, grace_seconds: float, limit: int) -> list[int]:
+    """Signals that should be moving and may have no wake-up in the broker, oldest first:
+    ready (``pending``, or ``failed`` and past its backoff) for longer than the grace,
+    or ``processing`` with an expired lease (the worker died)."""
+    ready = (
+        select(Signal.id, Signal.available_at.label("since"))
+        .where(Signal.status.in_(("pending", "failed")), Signal.available_at <= at - timedelta(seconds=grace_seconds))
+        .order_by(Signal.available_at)
+        .limit(limit)
+    )
+    expired = (
+        select(Signal.id, Signal.claimed_until.label("since"))
+        .where(Signal.status == "processing", Signal.claimed_until < at)
+        .order_by(Signal.claimed_until)
+        .limit(limit)
+    )
+    # Each branch is wrapped: SQLite allows no LIMIT inside a bare UNION member.
+    both = union(select(ready.subquery()), select(expired.subquery())).subquery()
+    return list(session.scalars(select(both.c.id).order_by(both.c.since).limit(limit)))

@@ -1,0 +1,101 @@
+"""The Celery app: ``celery -A worker.app worker|beat`` (``reverie worker|beat``).
+
+Configured for a Redis broker where nothing may be lost. The database rows are the
+truth and a message is only a wake-up, so the broker settings aim at "delivered at
+least once" and every task is safe to run twice:
+
+- a message is acknowledged after its task ran (late ack), and put back if the child
+  running it dies; a worker holds at most one message per process (prefetch 1);
+- tasks still running when the broker connection drops are cancelled, because Redis
+  will hand their messages to another worker after the visibility timeout;
+- the visibility timeout outlives every task's hard time limit and every retry delay,
+  so Redis never redelivers a message whose task is still running; future work is
+  kept in PostgreSQL (``available_at``, ``next_dream_at``), never as a long countdown;
+- no result backend, JSON only, stable namespaced task names, one queue per kind of
+  work so a backlog of dreams never delays signals.
+
+Engines and sessions are made per worker process after fork, never at import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_process_init
+from kombu import Queue
+
+import worker.celery_hooks  # noqa: F401  (logging context, metrics, task events)
+from schedules.beat import beat_schedule
+from store.db import dispose_engines
+from worker.settings import Settings, get_settings
+
+SIGNALS_QUEUE = "signals"
+DREAMS_QUEUE = "dreams"
+HOUSEKEEPING_QUEUE = "housekeeping"
+QUEUES = (SIGNALS_QUEUE, DREAMS_QUEUE, HOUSEKEEPING_QUEUE)
+
+#: Seconds Redis waits for an acknowledgement before it redelivers a message. Longer
+#: than the longest hard time limit (``worker.jobs``) and any retry countdown.
+VISIBILITY_TIMEOUT = 2 * 3600
+
+ROUTES = {
+    "signals.*": {"queue": SIGNALS_QUEUE},
+    "dream.*": {"queue": DREAMS_QUEUE},
+    "schedules.*": {"queue": HOUSEKEEPING_QUEUE},
+    "activity.*": {"queue": HOUSEKEEPING_QUEUE},
+    "metrics.*": {"queue": HOUSEKEEPING_QUEUE},
+}
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """The app's configuration for ``settings`` (a plain dict, so tests can read it)."""
+    return {
+        "broker_url": settings.broker_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {
+            "visibility_timeout": VISIBILITY_TIMEOUT,
+            "socket_connect_timeout": 5,
+            "fanout_prefix": True,
+            "fanout_patterns": True,
+        },
+        "result_backend": None,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # Default limits for a task that declares none; each task in worker.jobs sets its own.
+        "task_soft_time_limit": 240,
+        "task_time_limit": 300,
+        "task_queues": [Queue(name) for name in QUEUES],
+        "task_default_queue": HOUSEKEEPING_QUEUE,
+        "task_routes": ROUTES,
+        "task_create_missing_queues": False,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_concurrency": settings.worker_concurrency,
+        "worker_hijack_root_logger": False,
+        "beat_schedule": beat_schedule(settings),
+        "timezone": "UTC",
+        "enable_utc": True,
+    }
+
+
+def create_app(settings: Settings) -> Celery:
+    """A Celery app for ``settings`` with the tasks of :mod:`worker.jobs` included."""
+    celery = Celery("reverie", include=["worker.jobs"])
+    celery.conf.update(celery_config(settings))
+    return celery
+
+
+@worker_process_init.connect
+def _fresh_engines(**_: Any) -> None:
+    # A forked child must not reuse the parent's pooled connections.
+    dispose_engines()
+
+
+app = create_app(get_settings())

@@ -1,0 +1,105 @@
+"""Wake-ups: the messages that tell a worker a row in PostgreSQL is ready.
+
+The row is the truth and a wake-up is only a hint, so a lost one costs latency, never
+work: beat's sweeper sends it again. Importing this module imports neither Celery nor
+kombu; they are loaded on the first send. An empty ``REVERIE_BROKER_URL`` means no
+broker (cron mode): nothing is sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from worker.errors import BrokerUnavailable
+from worker.logs import get_logger
+from worker.settings import Settings
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+PROCESS_SIGNAL = "signals.process"
+RUN_USERS = "dream.run_users"
+
+#: After a failed send, the producer's wake-ups are skipped this long, so an absent
+#: broker costs one failed connect (and one warning) per window, not one per signal.
+QUIET_SECONDS = 30.0
+
+log = get_logger(__name__)
+_apps: dict[str, Celery] = {}
+_lock = threading.Lock()
+_quiet_until = 0.0
+
+
+def _app_for(settings: Settings) -> Celery:
+    from worker.app import app, create_app
+
+    if settings.broker_url == app.conf.broker_url:
+        return app
+    with _lock:
+        if settings.broker_url not in _apps:
+            _apps[settings.broker_url] = create_app(settings)
+        return _apps[settings.broker_url]
+
+
+def publish(settings: Settings, task_name: str, args_list: Sequence[list[Any]]) -> int:
+    """Send one ``task_name`` message per argument list over one connection, routed
+    like the app routes it. Returns the number sent; raises :class:`BrokerUnavailable`
+    (with ``sent``) when the broker fails part-way."""
+    if not settings.broker_url or not args_list:
+        return 0
+    from kombu.exceptions import KombuError
+
+    celery = _app_for(settings)
+    sent = 0
+    try:
+        with celery.connection_for_write() as connection:
+            # No retry loop here: a producer must not hang on an absent broker.
+            connection.ensure_connection(max_retries=0)
+            producer = celery.amqp.Producer(connection)
+            for args in args_list:
+                celery.send_task(task_name, args=args, producer=producer, retry=False)
+                sent += 1
+    except (KombuError, OSError) as exc:
+        raise BrokerUnavailable(_first_line(exc), sent=sent) from exc
+    return sent
+
+
+def wake_signal(settings: Settings, signal_id: int) -> bool:
+    """The producer's wake-up, called after the signal's row is committed.
+
+    Never raises for a broker problem: it logs a warning and returns False, and the
+    sweeper delivers the signal later.
+    """
+    global _quiet_until  # noqa: PLW0603 - one process-wide window, shared by every caller
+    if not settings.broker_url or time.monotonic() < _quiet_until:
+        return False
+    try:
+        publish(settings, PROCESS_SIGNAL, [[signal_id]])
+    except BrokerUnavailable as exc:
+        _quiet_until = time.monotonic() + QUIET_SECONDS
+        log.warning(
+            "wakeup.broker_unavailable",
+            signal_id=signal_id,
+            error=exc.reason,
+            skipping_seconds=QUIET_SECONDS,
+        )
+        return False
+    return True
+
+
+def wake_signals(settings: Settings, signal_ids: Sequence[int]) -> int:
+    """Wake-ups for many signals (the sweeper). Raises :class:`BrokerUnavailable`."""
+    return publish(settings, PROCESS_SIGNAL, [[signal_id] for signal_id in signal_ids])
+
+
+def send_user_runs(settings: Settings, user_ids: list[str]) -> None:
+    """One ``dream.run_users`` message for a chunk of users (the dispatcher)."""
+    publish(settings, RUN_USERS, [[user_ids]])
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
