@@ -162,6 +162,7 @@ def claim_signals(
     lease_seconds: int,
     limit: int,
     signal_id: int | None = None,
+    after_id: int | None = None,
     max_attempts: int | None = None,
 ) -> list[Claimed]:
     """Move up to ``limit`` claimable signals to ``processing`` under a new lease.
@@ -170,13 +171,16 @@ def claim_signals(
     ``processing`` whose lease expired (a worker died). Each claim adds one attempt
     and sets a fresh ``claim_token``; on PostgreSQL ``FOR UPDATE SKIP LOCKED`` lets
     concurrent workers claim disjoint rows. With ``max_attempts``, rows already out
-    of attempts are left for :func:`bury_exhausted`.
+    of attempts are left for :func:`bury_exhausted`; with ``after_id`` only rows with
+    a larger id are claimed (one pass visits each signal once).
     """
     at = now()
     token = str(uuid.uuid4())
     candidates = select(Signal.id).where(_claimable(at)).order_by(Signal.id).limit(limit)
     if signal_id is not None:
         candidates = candidates.where(Signal.id == signal_id)
+    if after_id is not None:
+        candidates = candidates.where(Signal.id > after_id)
     if max_attempts is not None:
         candidates = candidates.where(Signal.attempts < max_attempts)
     if session.get_bind().dialect.name == "postgresql":
@@ -220,14 +224,16 @@ def bury_exhausted(session: Session, *, max_attempts: int) -> list[tuple[int, st
     return [(r.id, r.kind) for r in session.execute(statement)]
 
 
-def load_payload_text(session: Session, signal_id: int) -> str | None:
-    """The payload as JSON text, never parsed by the driver.
+def load_payload_text(session: Session, signal_id: int) -> tuple[bool, str | None]:
+    """(row exists, the payload as JSON text), the payload never parsed by the driver.
 
     A foreign producer may store JSON nested deeply enough to exhaust the driver's
-    recursive parser; the caller parses it under its own guard.
+    recursive parser; the caller parses the text under its own guard.
     """
-    text_value = session.scalar(select(cast(Signal.payload, Text)).where(Signal.id == signal_id))
-    return None if text_value is None else str(text_value)
+    row = session.execute(select(Signal.id, cast(Signal.payload, Text)).where(Signal.id == signal_id)).first()
+    if row is None:
+        return False, None
+    return True, None if row[1] is None else str(row[1])
 
 
 def lock_claimed(session: Session, signal_id: int, claim_token: str) -> bool:

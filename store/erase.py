@@ -1,0 +1,60 @@
+"""Right to erasure: every row about one user, in the memory table and every ``dream_`` table.
+
+The one removal from the memory table that is not archived: keeping a copy is what an
+erasure must not do.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Table, delete, func, select
+from sqlalchemy.orm import Session
+
+from store.memories import table_for
+from store.models import Base, Run, Signal, Spend
+from worker.settings import Settings
+
+
+def erase_user(session: Session, settings: Settings, user_id: str) -> dict[str, int]:
+    """Delete every row about ``user_id``; rows deleted per table.
+
+    Signals go first: deleting them waits for any worker that holds one locked while
+    applying it, so its writes are committed and then erased here, and a worker that
+    comes later finds its signal gone and writes nothing. Signals enqueued after this
+    transaction commits are processed normally.
+    """
+    counts: dict[str, int] = {}
+    counts[Signal.__tablename__] = _delete(session, Signal.__table__, user_id)  # type: ignore[arg-type]
+    memory = table_for(settings)
+    counts[memory.name] = _delete(session, memory, user_id)
+    run_ids = {str(i) for i in session.scalars(select(Run.id).where(Run.user_id == user_id))}
+    if run_ids:
+        # A run's budget lines are keyed "<run id>" or "<run id>/<agent hash>": the user's.
+        keys = [
+            key
+            for key in session.scalars(select(Spend.scope_key).where(Spend.scope == "run"))
+            if key.split("/", 1)[0] in run_ids
+        ]
+        for start in range(0, len(keys), 500):
+            result = session.execute(
+                delete(Spend).where(Spend.scope == "run", Spend.scope_key.in_(keys[start : start + 500]))
+            )
+            counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + int(getattr(result, "rowcount", 0) or 0)
+    # Children before parents (the archive refers to runs).
+    for table in reversed(Base.metadata.sorted_tables):
+        if table.name != Signal.__tablename__ and "user_id" in table.c:
+            counts[table.name] = _delete(session, table, user_id)
+    return counts
+
+
+def _delete(session: Session, table: Table, user_id: str) -> int:
+    result = session.execute(delete(table).where(table.c.user_id == user_id))
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def rows_about(session: Session, settings: Settings, user_id: str) -> dict[str, int]:
+    """Rows still naming ``user_id``, per table (all zero after an erasure)."""
+    tables = [table_for(settings), *(t for t in Base.metadata.sorted_tables if "user_id" in t.c)]
+    return {
+        table.name: int(session.scalar(select(func.count()).select_from(table).where(table.c.user_id == user_id)) or 0)
+        for table in tables
+    }

@@ -1,0 +1,299 @@
+"""Processing a signal: claim it, apply it once, record the outcome.
+
+The steps, each in a transaction of its own, so none is held open across a model call:
+
+1. claim: ``pending``/``failed`` (due) or ``processing`` with an expired lease becomes
+   ``processing`` with one more attempt and a fresh claim token;
+2. load and re-validate the payload (rows INSERTed by foreign producers were never
+   validated), then prepare (for ``session_end`` and ``feedback``: the model call);
+3. apply: lock the signal row, check the claim token is still ours and the row still
+   exists (``erase-user`` may have removed it), write the memory effects and mark it
+   ``done``, all in one transaction. A crash anywhere leaves either nothing or
+   everything: the effect happens exactly once.
+
+Outcomes: ``done``; ``rejected`` (invalid input, the reason names the field, never
+retried); ``failed`` (transient, retried after a backoff); ``dead`` (out of attempts,
+or a permanent model error an operator must fix; ``reverie signals retry`` puts it
+back); ``skipped`` (the claim was lost: another worker or an erasure got there first).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from store import schedule
+from store import signals as signal_store
+from store.db import session_scope
+from store.signals import Claimed
+from store.types import now
+from tasks import activity, feedback, session_end
+from tasks.decisions import Decision, Effect, SignalInput
+from worker import metrics
+from worker.errors import (
+    BudgetExhausted,
+    DatabaseUnavailable,
+    InvalidSignal,
+    PermanentError,
+    SchemaMissing,
+    TransientError,
+)
+from worker.logs import get_logger, user_ref
+from worker.payloads import KINDS, validate_signal
+from worker.settings import Settings
+
+log = get_logger(__name__)
+
+CLAIM_BATCH = 20
+MAX_BACKOFF_SECONDS = 6 * 3600
+
+
+@dataclass(frozen=True)
+class Handler:
+    prepare: Callable[[Settings, SignalInput], Any]
+    apply: Callable[[Session, Settings, SignalInput, Any], Effect]
+
+
+HANDLERS: dict[str, Handler] = {
+    "session_end": Handler(session_end.prepare, session_end.apply),
+    "feedback": Handler(feedback.prepare, feedback.apply),
+    "activity": Handler(activity.prepare, activity.apply),
+}
+
+
+@dataclass
+class SignalResult:
+    """One signal's outcome, with the candidate memories accepted and refused."""
+
+    signal_id: int
+    kind: str
+    user_id: str
+    outcome: str
+    reason: str | None = None
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> list[Decision]:
+        return [d for d in self.decisions if d.accepted]
+
+    @property
+    def refused(self) -> list[Decision]:
+        return [d for d in self.decisions if not d.accepted]
+
+
+@dataclass
+class SignalPassReport:
+    """What one pass over the pending signals did (``processed`` counts ``done``)."""
+
+    processed: int = 0
+    rejected: int = 0
+    failed: int = 0
+    dead: int = 0
+    skipped: int = 0
+    results: list[SignalResult] = field(default_factory=list)
+
+    def add(self, result: SignalResult) -> None:
+        self.results.append(result)
+        if result.outcome == "done":
+            self.processed += 1
+        elif result.outcome in ("rejected", "failed", "dead", "skipped"):
+            setattr(self, result.outcome, getattr(self, result.outcome) + 1)
+
+
+def process_pending(settings: Settings, *, limit: int | None = None) -> SignalPassReport:
+    """Process every signal that is due now (at most ``limit``), each at most once.
+
+    Raises :class:`~worker.errors.DatabaseUnavailable` or ``SchemaMissing`` when the
+    database cannot be used; a bad signal never stops the pass.
+    """
+    report = SignalPassReport()
+    cursor = 0
+    while limit is None or len(report.results) < limit:
+        batch = CLAIM_BATCH if limit is None else min(CLAIM_BATCH, limit - len(report.results))
+        with session_scope(settings) as session:
+            buried = signal_store.bury_exhausted(session, max_attempts=settings.signal_max_attempts)
+            claimed = signal_store.claim_signals(
+                session,
+                lease_seconds=settings.signal_lease_seconds,
+                limit=batch,
+                after_id=cursor,
+                max_attempts=settings.signal_max_attempts,
+            )
+        for signal_id, kind in buried:
+            _count(kind, "dead")
+            report.dead += 1
+            log.warning("signal_dead", signal_id=signal_id, kind=_kind_label(kind), reason="lease expired")
+        if not claimed:
+            break
+        for claim in claimed:
+            report.add(process_claimed(settings, claim))
+        cursor = claimed[-1].signal_id
+    _refresh_pending_gauge(settings)
+    return report
+
+
+def process_signal(settings: Settings, signal_id: int) -> str:
+    """Claim and process one signal by id; the outcome, or ``skipped`` if it was not
+    claimable (already finished, held by another worker, or gone)."""
+    with session_scope(settings) as session:
+        signal_store.bury_exhausted(session, max_attempts=settings.signal_max_attempts)
+        claimed = signal_store.claim_signals(
+            session,
+            lease_seconds=settings.signal_lease_seconds,
+            limit=1,
+            signal_id=signal_id,
+            max_attempts=settings.signal_max_attempts,
+        )
+    if not claimed:
+        return "skipped"
+    return process_claimed(settings, claimed[0]).outcome
+
+
+def process_claimed(settings: Settings, claim: Claimed) -> SignalResult:
+    """Prepare, apply and record one claimed signal. Never raises for a bad signal."""
+    result = SignalResult(claim.signal_id, claim.kind, claim.user_id, outcome="skipped")
+    refund = False
+    try:
+        signal = _load(settings, claim)
+        if signal is None:
+            result.reason = "the signal was removed while it was processed"
+            return _finish(settings, claim, result)
+        prepared = HANDLERS[signal.kind].prepare(settings, signal)
+        return _apply(settings, claim, signal, prepared, result)
+    except InvalidSignal as exc:
+        result.outcome, result.reason = "rejected", str(exc)
+        log_detail: dict[str, Any] = {"field": exc.field}
+    except BudgetExhausted as exc:
+        # Not the signal's fault: wait for budget without using up its attempts.
+        result.outcome, result.reason, refund = "failed", str(exc), True
+        log_detail = {"budget": exc.scope}
+    except TransientError as exc:
+        result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
+        result.reason = f"transient error: {exc}"
+        log_detail = {"error": type(exc).__name__}
+    except PermanentError as exc:
+        result.outcome, result.reason = "dead", f"permanent model error (fix the setting, then retry): {exc}"
+        log_detail = {"error": type(exc).__name__}
+    except (DatabaseUnavailable, SchemaMissing):
+        raise
+    except (DBAPIError, RecursionError, ValueError, TypeError, KeyError) as exc:
+        # A row the database refuses or input no check foresaw: retried a bounded
+        # number of times, then dead, never fatal to the pass.
+        result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
+        result.reason = f"internal error: {type(exc).__name__}"
+        # Where it happened, not the message: messages can quote payload text.
+        frame = exc.__traceback__
+        while frame is not None and frame.tb_next is not None:
+            frame = frame.tb_next
+        where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else "?"
+        log_detail = {"error": type(exc).__name__, "where": where}
+    return _finish(settings, claim, result, refund=refund, **log_detail)
+
+
+def _load(settings: Settings, claim: Claimed) -> SignalInput | None:
+    with session_scope(settings) as session:
+        exists, text = signal_store.load_payload_text(session, claim.signal_id)
+    if not exists:
+        return None
+    payload = _parse(text)
+    validate_signal(claim.kind, claim.user_id, payload, settings, agent_id=claim.agent_id)
+    return SignalInput(claim.signal_id, claim.kind, claim.user_id, claim.agent_id, payload, claim.enqueued_at)
+
+
+def _parse(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise InvalidSignal("payload", "is nested too deeply to read") from exc
+    except ValueError as exc:
+        raise InvalidSignal("payload", "is not valid JSON") from exc
+
+
+def _apply(
+    settings: Settings, claim: Claimed, signal: SignalInput, prepared: Any, result: SignalResult
+) -> SignalResult:
+    with session_scope(settings) as session:
+        if not signal_store.lock_claimed(session, claim.signal_id, claim.claim_token):
+            result.reason = "the claim was lost (erased, or taken over after the lease expired)"
+            return result
+        effect = HANDLERS[signal.kind].apply(session, settings, signal, prepared)
+        if effect.wrote:
+            schedule.mark_dirty(session, signal.user_id)
+        finished_at = signal_store.finish_signal(session, claim.signal_id, claim.claim_token, status="done")
+    result.outcome, result.decisions = "done", effect.decisions
+    for action, count in effect.writes.items():
+        metrics.MEMORY_WRITES.labels(source=effect.source, action=action).inc(count)
+    if finished_at is not None:
+        metrics.SIGNAL_LAG.labels(kind=signal.kind).observe(max(0.0, (finished_at - claim.enqueued_at).total_seconds()))
+    _count(signal.kind, "done")
+    log.info(
+        "signal_done",
+        signal_id=claim.signal_id,
+        kind=signal.kind,
+        user=user_ref(signal.user_id, settings.log_hash_key),
+        accepted=len(result.accepted),
+        refused=len(result.refused),
+        writes=sum(effect.writes.values()),
+    )
+    return result
+
+
+def _finish(
+    settings: Settings, claim: Claimed, result: SignalResult, *, refund: bool = False, **log_detail: Any
+) -> SignalResult:
+    status = result.outcome
+    if status == "skipped":
+        return result
+    available_at = None
+    if status == "failed":
+        attempt = 1 if refund else claim.attempts
+        delay = min(settings.signal_backoff_seconds * 2 ** (attempt - 1), MAX_BACKOFF_SECONDS)
+        available_at = now() + timedelta(seconds=delay)
+    with session_scope(settings) as session:
+        recorded = signal_store.finish_signal(
+            session,
+            claim.signal_id,
+            claim.claim_token,
+            status=status,
+            error=(result.reason or "")[:2000],
+            available_at=available_at,
+            refund_attempt=refund,
+        )
+    if recorded is None:
+        result.outcome = "skipped"
+        return result
+    _count(claim.kind, status)
+    emit = log.warning if status in ("failed", "dead") else log.info
+    emit(
+        "signal_" + status,
+        signal_id=claim.signal_id,
+        kind=_kind_label(claim.kind),
+        user=user_ref(claim.user_id, settings.log_hash_key),
+        attempts=claim.attempts,
+        **log_detail,
+    )
+    return result
+
+
+def _kind_label(kind: str) -> str:
+    # A foreign producer can put anything in ``kind``: keep the label set bounded.
+    return kind if kind in KINDS else "unknown"
+
+
+def _count(kind: str, outcome: str) -> None:
+    metrics.SIGNALS_PROCESSED.labels(kind=_kind_label(kind), outcome=outcome).inc()
+
+
+def _refresh_pending_gauge(settings: Settings) -> None:
+    with session_scope(settings) as session:
+        counts = signal_store.pending_counts(session)
+    for kind in KINDS:
+        metrics.SIGNALS_PENDING.labels(kind=kind).set(counts.get(kind, 0))

@@ -1,0 +1,30 @@
+"""``reverie erase-user``."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from worker.cli.common import app, load_settings
+
+
+@app.command("erase-user")
+def erase_user(
+    user: Annotated[str, typer.Argument(help="The user whose rows are removed everywhere.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rows removed per table as JSON.")] = False,
+) -> None:
+    """Right to erasure: remove the user's rows from the memory table and every dream_ table.
+
+    Signals for the user enqueued before the erasure are dropped; later ones are processed.
+    """
+    from tasks.erase import erase_user as erase
+
+    counts = erase(load_settings(), user)
+    removed = {table: count for table, count in sorted(counts.items()) if count}
+    if as_json:
+        print(json.dumps({"user": user, "rows_removed": removed, "total": sum(removed.values())}))
+        return
+    detail = ", ".join(f"{table}: {count}" for table, count in removed.items()) or "no rows held"
+    print(f"erased user {user}: {sum(removed.values())} row(s) removed ({detail})")
