@@ -1,0 +1,70 @@
+"""Queries on ``dream_contradictions``: one open row per user and normalised key."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.orm import Session
+
+from store.models import Contradiction
+
+
+def open_by_key(session: Session, user_id: str) -> dict[str, Contradiction]:
+    """The user's open contradictions, keyed by normalised key."""
+    rows = session.scalars(
+        select(Contradiction).where(Contradiction.user_id == user_id, Contradiction.status == "open")
+    )
+    return {row.norm_key: row for row in rows}
+
+
+def record(
+    session: Session,
+    *,
+    user_id: str,
+    norm_key: str,
+    entry_ids: list[str],
+    fingerprint: str,
+    run_id: int | None,
+    resolution: str,
+    at: datetime,
+    closed: bool = False,
+) -> None:
+    """A newly found contradiction (``closed``: resolved on the spot)."""
+    session.execute(
+        insert(Contradiction).values(
+            user_id=user_id,
+            norm_key=norm_key[:255],
+            entry_ids=entry_ids,
+            fingerprint=fingerprint,
+            status="closed" if closed else "open",
+            resolution=resolution,
+            found_run_id=run_id,
+            found_at=at,
+            closed_at=at if closed else None,
+        )
+    )
+
+
+def refresh(session: Session, contradiction_id: int, entry_ids: list[str], fingerprint: str) -> None:
+    """Keep an open contradiction's rows current without counting it again."""
+    session.execute(
+        update(Contradiction)
+        .where(Contradiction.id == contradiction_id)
+        .values(entry_ids=entry_ids, fingerprint=fingerprint)
+    )
+
+
+def close(session: Session, contradiction_ids: list[int], at: datetime) -> None:
+    if contradiction_ids:
+        session.execute(
+            update(Contradiction)
+            .where(Contradiction.id.in_(contradiction_ids), Contradiction.status == "open")
+            .values(status="closed", closed_at=at)
+        )
+
+
+def entry_ids_of(row: Contradiction) -> list[str]:
+    ids: Any = row.entry_ids
+    return [str(i) for i in ids] if isinstance(ids, list) else []

@@ -1,0 +1,129 @@
+"""Recall detection and the staleness test that pruning uses.
+
+The host increments ``access_count`` when it recalls an entry but may never touch
+``updated_at``. Reverie remembers the count it last saw per entry; when the count has
+grown, the entry was recalled since, and ``last_recalled_at`` moves to that look. An
+entry first seen with recalls already counted gets the benefit of the doubt (recalled
+now). Where the host keeps a last-access column (a setting), it counts too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from datetime import datetime
+
+from sqlalchemy import ColumnElement, Table, and_, case, delete, false, func, literal, or_, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from store.models import EntryState
+
+GDPR_PREFIX = "_gdpr_"
+
+
+def observe_recalls(session: Session, table: Table, user_id: str, at: datetime) -> None:
+    """Record the user's current ``access_count`` per entry, noting growth as a recall (one statement)."""
+    count = func.coalesce(table.c.access_count, 0)
+    source = select(
+        table.c.id,
+        table.c.user_id,
+        count,
+        case((count > 0, literal(at, EntryState.last_recalled_at.type)), else_=None),
+        literal(at, EntryState.seen_at.type),
+    ).where(table.c.user_id == user_id)
+    columns = ["entry_id", "user_id", "access_count_seen", "last_recalled_at", "seen_at"]
+    if session.get_bind().dialect.name == "postgresql":
+        pg = pg_insert(EntryState).from_select(columns, source)
+        excluded = pg.excluded
+        grew = excluded.access_count_seen > EntryState.access_count_seen
+        session.execute(
+            pg.on_conflict_do_update(
+                index_elements=[EntryState.entry_id],
+                set_={
+                    "last_recalled_at": case((grew, excluded.seen_at), else_=EntryState.last_recalled_at),
+                    "access_count_seen": excluded.access_count_seen,
+                    "seen_at": excluded.seen_at,
+                },
+            )
+        )
+    else:
+        lite = sqlite_insert(EntryState).from_select(columns, source)
+        excluded = lite.excluded
+        grew = excluded.access_count_seen > EntryState.access_count_seen
+        session.execute(
+            lite.on_conflict_do_update(
+                index_elements=[EntryState.entry_id],
+                set_={
+                    "last_recalled_at": case((grew, excluded.seen_at), else_=EntryState.last_recalled_at),
+                    "access_count_seen": excluded.access_count_seen,
+                    "seen_at": excluded.seen_at,
+                },
+            )
+        )
+
+
+def forget_missing(session: Session, table: Table, user_id: str) -> int:
+    """Drop state rows of the user's entries that no longer exist."""
+    gone = delete(EntryState).where(
+        EntryState.user_id == user_id,
+        ~select(table.c.id).where(table.c.id == EntryState.entry_id).exists(),
+    )
+    return int(session.execute(gone).rowcount or 0)  # type: ignore[attr-defined]
+
+
+def not_protected(table: Table, protected_categories: Collection[str]) -> ColumnElement[bool]:
+    """Rows Reverie may prune or merge: no ``_gdpr_`` key, no protected category."""
+    category = func.coalesce(table.c.category, "fact")
+    condition = ~table.c.key.startswith(GDPR_PREFIX, autoescape=True)
+    if protected_categories:
+        condition = and_(condition, category.not_in(sorted(protected_categories)))
+    return condition
+
+
+def _stale(table: Table, cutoff: datetime, last_access_column: str | None) -> ColumnElement[bool]:
+    touched = func.coalesce(table.c.updated_at, table.c.created_at)
+    recalled = (
+        select(EntryState.entry_id)
+        .where(EntryState.entry_id == table.c.id, EntryState.last_recalled_at >= cutoff)
+        .exists()
+    )
+    condition = and_(touched < cutoff, ~recalled)
+    if last_access_column:
+        accessed = table.c[last_access_column]
+        condition = and_(condition, or_(accessed.is_(None), accessed < cutoff))
+    return condition
+
+
+def prunable_where(
+    table: Table,
+    user_id: str,
+    *,
+    agent_cutoffs: Mapping[str, datetime | None],
+    default_cutoff: datetime | None,
+    owners: Collection[str] | None,
+    protected_categories: Collection[str],
+    last_access_column: str | None,
+) -> ColumnElement[bool]:
+    """The set of the user's stale entries, each judged by its owner's policy.
+
+    ``agent_cutoffs`` holds the agents with a policy of their own (None: they do not
+    prune); everyone else, and unowned entries, use ``default_cutoff``. ``owners``
+    limits the run to those agents' entries (None: all of the user's entries).
+    """
+    owner = table.c.source_agent_id
+    branches: list[ColumnElement[bool]] = []
+    for agent, cutoff in agent_cutoffs.items():
+        if cutoff is not None:
+            branches.append(and_(owner == agent, _stale(table, cutoff, last_access_column)))
+    if default_cutoff is not None:
+        others: ColumnElement[bool] = owner.is_(None)
+        if agent_cutoffs:
+            others = or_(others, owner.not_in(sorted(agent_cutoffs)))
+        branches.append(and_(others, _stale(table, default_cutoff, last_access_column)))
+    if not branches:
+        return false()
+    condition = and_(table.c.user_id == user_id, not_protected(table, protected_categories), or_(*branches))
+    if owners is not None:
+        condition = and_(condition, owner.in_(sorted(owners)))
+    return condition

@@ -1,0 +1,138 @@
+"""The summarizer's write: replace a group of entries by its summary, in one transaction.
+
+The originals are re-read under lock and compared with what the model was shown; if
+the application changed any of them meanwhile, nothing is written and the group waits
+for the next run. Otherwise they are archived and removed (``remove_entries``) and the
+summary entries inserted, so a summary key equal to an original's key survives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Table, and_, insert, select
+from sqlalchemy.orm import Session
+
+from store.memories import Removed, record_events, remove_entries
+from store.types import now
+
+
+@dataclass(frozen=True)
+class NewEntry:
+    key: str
+    value: Any
+
+
+def snapshot(row: Any) -> tuple[Any, ...]:
+    """What must not have changed between the model call and the write."""
+    value = row.value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    return (
+        row.id,
+        row.key,
+        json.dumps(value, sort_keys=True),
+        row.category,
+        row.visibility,
+        row.source_agent_id,
+        row.updated_at,
+    )
+
+
+def _taken_keys(session: Session, table: Table, user_id: str, visibility: str, agent_id: str | None) -> set[str]:
+    # EDDI's upsert keys: global entries are unique per (user, key); others per
+    # (user, key, agent). A summary must not collide with an entry outside its group.
+    condition = table.c.user_id == user_id
+    if visibility == "global":
+        condition = and_(condition, table.c.visibility == "global")
+    else:
+        owner = table.c.source_agent_id.is_(None) if agent_id is None else table.c.source_agent_id == agent_id
+        condition = and_(condition, table.c.visibility != "global", owner)
+    return set(session.scalars(select(table.c.key).where(condition)))
+
+
+def _free_key(key: str, taken: set[str]) -> str:
+    if key not in taken:
+        return key
+    for n in range(2, 1000):
+        candidate = f"{key[: 100 - len(str(n)) - 1]}_{n}"
+        if candidate not in taken:
+            return candidate
+    return f"{key[:63]}_{uuid.uuid4().hex}"
+
+
+def replace_group(
+    session: Session,
+    table: Table,
+    originals: list[Any],
+    items: list[NewEntry],
+    *,
+    run_id: int | None,
+) -> list[str] | None:
+    """Swap ``originals`` for ``items``; returns the new entry ids, or None when an
+    original changed or vanished since it was read (nothing written then)."""
+    ids = [row.id for row in originals]
+    current = session.execute(select(table).where(table.c.id.in_(ids)).with_for_update()).all()
+    if sorted(map(snapshot, current), key=str) != sorted(map(snapshot, originals), key=str):
+        return None
+    first = originals[0]
+    user_id, visibility, agent_id = first.user_id, first.visibility, first.source_agent_id
+    category = first.category or "fact"
+    group_ids: list[Any] = []
+    for row in originals:
+        raw = row.group_ids
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except ValueError:
+                raw = []
+        for gid in raw or []:
+            if gid not in group_ids:
+                group_ids.append(gid)
+    remove_entries(session, table, table.c.id.in_(ids), reason="summarize", source="summarize", run_id=run_id)
+
+    taken = _taken_keys(session, table, user_id, visibility, agent_id)
+    at = now()
+    created_at = min((r.created_at for r in originals if r.created_at is not None), default=at)
+    recalls = max((r.access_count or 0 for r in originals), default=0)
+    rows: list[dict[str, Any]] = []
+    for item in items:
+        key = _free_key(item.key, taken)
+        taken.add(key)
+        rows.append(
+            {
+                "id": str(uuid.uuid4()),
+                "user_id": user_id,
+                "key": key,
+                "value": item.value,
+                "category": category,
+                "visibility": visibility,
+                "source_agent_id": agent_id,
+                "group_ids": sorted(group_ids, key=str),
+                "source_conversation_id": None,
+                "conflicted": False,
+                "access_count": recalls,
+                "created_at": _older(created_at, at),
+                "updated_at": at,
+            }
+        )
+    session.execute(insert(table), rows)
+    record_events(
+        session,
+        [Removed(r["id"], user_id, r["key"]) for r in rows],
+        action="insert",
+        source="summarize",
+        run_id=run_id,
+        at=at,
+    )
+    return [r["id"] for r in rows]
+
+
+def _older(a: datetime, b: datetime) -> datetime:
+    return a if a <= b else b

@@ -1,0 +1,176 @@
+"""Contradictions: the same key (after normalising) with different values, per user.
+
+Keys are compared lowercased with runs of ``-``, ``_``, ``.`` and spaces collapsed,
+across agents and visibilities; values are compared as JSON. A new contradiction sets
+``conflicted`` on its rows and is recorded once; it closes (and ``conflicted`` clears)
+when the values agree again. Under ``keep_newest`` the older rows are archived and
+removed; ``_gdpr_`` keys are never considered and protected categories never removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+from collections import defaultdict
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Table
+from sqlalchemy.orm import Session
+
+from store import contradictions as store
+from store.entry_state import GDPR_PREFIX
+from store.memories import remove_entries, set_conflicted, table_for, user_entries
+from store.models import Contradiction
+from worker.policy import PolicyBook
+from worker.settings import Settings
+
+_SEPARATORS = re.compile(r"[\s_.\-]+")
+
+
+def normalise_key(key: str) -> str:
+    """``Favorite-Color``, ``favorite color`` and ``favorite_color`` are one key."""
+    return _SEPARATORS.sub("_", key.strip().lower()).strip("_")
+
+
+def canonical_value(value: Any) -> str:
+    """A value as canonical JSON (SQLite may hand JSON back as text)."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class ContradictionCounts:
+    found: int = 0
+    resolved: int = 0
+    removed: int = 0
+
+
+def _fingerprint(rows: list[Any]) -> str:
+    parts = sorted(f"{row.id}={canonical_value(row.value)}" for row in rows)
+    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
+
+
+def _newest_first(rows: list[Any]) -> list[Any]:
+    return sorted(
+        rows,
+        key=lambda r: (r.updated_at or r.created_at or datetime.min, r.created_at or datetime.min, r.id),
+        reverse=True,
+    )
+
+
+@dataclass
+class _Pass:
+    """One detection pass over a user's entries (shared state of the helpers)."""
+
+    session: Session
+    settings: Settings
+    table: Table
+    user_id: str
+    book: PolicyBook
+    at: datetime
+    run_id: int | None
+    found: int = 0
+    resolved: int = 0
+    removed: int = 0
+
+    def record(self, norm_key: str, rows: list[Any], resolution: str, *, closed: bool = False) -> None:
+        self.found += 1
+        store.record(
+            self.session,
+            user_id=self.user_id,
+            norm_key=norm_key,
+            entry_ids=[r.id for r in rows],
+            fingerprint=_fingerprint(rows),
+            run_id=self.run_id,
+            resolution=resolution,
+            at=self.at,
+            closed=closed,
+        )
+
+    def handle(self, norm_key: str, rows: list[Any], existing: Contradiction | None) -> None:
+        losers = _losers(self.settings, self.book, rows)
+        if losers:
+            gone = remove_entries(
+                self.session,
+                self.table,
+                self.table.c.id.in_([r.id for r in losers]),
+                reason="contradiction",
+                source="contradiction",
+                run_id=self.run_id,
+            )
+            self.removed += len(gone)
+            survivors = [r for r in rows if r not in losers]
+            if _distinct_values(survivors) < 2:
+                # Resolved: the values that remain agree.
+                set_conflicted(self.session, self.table, [r.id for r in survivors], False)
+                if existing is not None:
+                    store.close(self.session, [existing.id], self.at)
+                else:
+                    self.record(norm_key, rows, "keep_newest", closed=True)
+                self.resolved += 1
+                return
+            rows = survivors
+        set_conflicted(self.session, self.table, [r.id for r in rows], True)
+        if existing is None:
+            self.record(norm_key, rows, "flag")
+        elif existing.fingerprint != _fingerprint(rows):
+            store.refresh(self.session, existing.id, [r.id for r in rows], _fingerprint(rows))
+
+
+def _distinct_values(rows: list[Any]) -> int:
+    return len({canonical_value(r.value) for r in rows})
+
+
+def detect(
+    session: Session,
+    settings: Settings,
+    user_id: str,
+    *,
+    book: PolicyBook,
+    owners: Collection[str] | None,
+    at: datetime,
+    run_id: int | None,
+) -> ContradictionCounts:
+    """Find, record, flag, resolve and close the user's contradictions (caller's transaction)."""
+    table = table_for(settings)
+    groups: dict[str, list[Any]] = defaultdict(list)
+    for row in user_entries(session, table, user_id):
+        if row.key.startswith(GDPR_PREFIX) or not book.for_agent(row.source_agent_id).detects:
+            continue
+        if owners is None or row.source_agent_id in owners:
+            groups[normalise_key(row.key)].append(row)
+
+    already_open = store.open_by_key(session, user_id)
+    work = _Pass(session, settings, table, user_id, book, at, run_id)
+    for norm_key, rows in groups.items():
+        if _distinct_values(rows) >= 2:
+            work.handle(norm_key, rows, already_open.pop(norm_key, None))
+
+    # What is still open but no longer disagrees (or is gone) is closed.
+    stale = list(already_open.values())
+    if owners is not None:
+        # An agent-scoped run only closes what it could see.
+        stale = [c for c in stale if c.norm_key in groups]
+    for contradiction in stale:
+        set_conflicted(session, table, store.entry_ids_of(contradiction), False)
+    store.close(session, [c.id for c in stale], at)
+    return ContradictionCounts(found=work.found, resolved=work.resolved, removed=work.removed)
+
+
+def _losers(settings: Settings, book: PolicyBook, rows: list[Any]) -> list[Any]:
+    """Under ``keep_newest`` (the older row's owner's policy): the rows that go."""
+    ordered = _newest_first(rows)
+    protected = settings.protected_category_set
+    return [
+        row
+        for row in ordered[1:]
+        if book.for_agent(row.source_agent_id).contradictionResolution == "keep_newest"
+        and (row.category or "fact") not in protected
+    ]

@@ -1,0 +1,53 @@
+"""Prune: archive and remove the user's stale entries, each by its owner's policy.
+
+Stale means neither updated nor recalled for ``pruneStaleAfterDays`` (see
+:mod:`store.entry_state`). One set-based archive-then-delete per run, in the caller's
+transaction; ``_gdpr_`` keys and protected categories are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from datetime import datetime, timedelta
+
+from sqlalchemy.orm import Session
+
+from store import entry_state
+from store.memories import remove_entries, table_for
+from worker.policy import Policy, PolicyBook
+from worker.settings import Settings
+
+
+def _cutoff(policy: Policy, at: datetime) -> datetime | None:
+    return at - timedelta(days=policy.pruneStaleAfterDays) if policy.prunes else None
+
+
+def prune_user(
+    session: Session,
+    settings: Settings,
+    user_id: str,
+    *,
+    book: PolicyBook,
+    owners: Collection[str] | None,
+    at: datetime,
+    run_id: int | None,
+) -> int:
+    """Archive and delete the user's stale entries; returns how many were removed.
+
+    Also notes recalls (``access_count`` growth) first, so an entry recalled since the
+    last look is not stale.
+    """
+    table = table_for(settings)
+    entry_state.observe_recalls(session, table, user_id, at)
+    where = entry_state.prunable_where(
+        table,
+        user_id,
+        agent_cutoffs={agent: _cutoff(policy, at) for agent, policy in book.agents.items()},
+        default_cutoff=_cutoff(book.default, at),
+        owners=owners,
+        protected_categories=settings.protected_category_set,
+        last_access_column=settings.memory_last_access_column,
+    )
+    removed = remove_entries(session, table, where, reason="prune", source="prune", run_id=run_id)
+    entry_state.forget_missing(session, table, user_id)
+    return len(removed)

@@ -1,0 +1,107 @@
+"""Where the cost cap is enforced: budget lines, reservations, settlement.
+
+Every model call reserves its worst-case price before it is made, against the day's
+budget (``REVERIE_MAX_COST_PER_DAY``, shared by every worker) and, inside a dream run,
+against the run's budget and the owning agent's ``maxCostPerRun``. The reservation is
+one short transaction; the call runs outside any transaction; settlement records the
+actual cost (never more than was reserved) and releases the rest. So the recorded
+spend of a run or a day can never pass its cap, however many workers run at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from datetime import datetime
+
+from store import policies as policy_store
+from store import spend as spend_store
+from store.db import session_scope
+from store.spend import BudgetLine, Refused
+from store.types import NANO, now, usd_to_nano
+from worker import metrics
+from worker.errors import BudgetExhausted
+from worker.policy import effective
+from worker.settings import Settings
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What was taken from which budgets for one model call."""
+
+    lines: tuple[BudgetLine, ...]
+    amount_nano: int
+
+
+def price_nano(tokens: int, usd_per_token: float) -> int:
+    """The price of ``tokens`` in nano-USD, rounded up (a reservation never undershoots)."""
+    return math.ceil(tokens * usd_per_token * NANO - 1e-6) if tokens and usd_per_token else 0
+
+
+def reservation_nano(prompt_tokens: int, max_tokens: int, input_price: float, output_price: float) -> int:
+    """Worst case of a call: its prompt plus its whole output ceiling."""
+    return price_nano(prompt_tokens, input_price) + price_nano(max_tokens, output_price)
+
+
+def day_key(at: datetime | None = None) -> str:
+    return (at or now()).date().isoformat()
+
+
+def run_key(run_id: int) -> str:
+    return str(run_id)
+
+
+def agent_key(run_id: int, agent_id: str | None) -> str:
+    # Agent ids are up to 255 characters; the key column holds 64.
+    digest = hashlib.sha256((agent_id or "").encode("utf-8")).hexdigest()[:24]
+    return f"{run_id}/{digest if agent_id is not None else '-'}"
+
+
+def open_run(settings: Settings, run_id: int, limit_usd: float) -> None:
+    """Create the run's total budget (the largest ``maxCostPerRun`` among its policies)."""
+    with session_scope(settings) as session:
+        spend_store.ensure_lines(session, [BudgetLine("run", run_key(run_id), usd_to_nano(limit_usd))])
+
+
+def lines_for(settings: Settings, run_id: int | None, agent_id: str | None) -> list[BudgetLine]:
+    """The budgets a call must fit, in locking order: run total, agent share, day."""
+    lines: list[BudgetLine] = []
+    if run_id is not None:
+        with session_scope(settings) as session:
+            config = policy_store.get_config(session, agent_id) if agent_id is not None else None
+        cap = usd_to_nano(effective(settings, config).maxCostPerRun)
+        lines.append(BudgetLine("run", run_key(run_id), usd_to_nano(settings.max_cost_per_run)))
+        lines.append(BudgetLine("run", agent_key(run_id, agent_id), cap))
+    lines.append(BudgetLine("day", day_key(), usd_to_nano(settings.max_cost_per_day)))
+    return lines
+
+
+def reserve(settings: Settings, lines: list[BudgetLine], amount_nano: int) -> Reservation:
+    """Take ``amount_nano`` from every line atomically, or raise :class:`BudgetExhausted`."""
+    try:
+        with session_scope(settings) as session:
+            spend_store.ensure_lines(session, lines)
+            spend_store.reserve(session, lines, amount_nano)
+    except Refused as refused:
+        metrics.BUDGET_EXHAUSTED.labels(scope=refused.line.scope).inc()
+        raise BudgetExhausted(refused.line.scope, amount_nano / NANO, refused.remaining_nano / NANO) from None
+    return Reservation(tuple(lines), amount_nano)
+
+
+def settle(settings: Settings, reservation: Reservation, actual_nano: int) -> int:
+    """Record the call's cost (capped at the reservation); returns what was recorded."""
+    recorded = max(0, min(actual_nano, reservation.amount_nano))
+    with session_scope(settings) as session:
+        spend_store.settle(session, list(reservation.lines), reservation.amount_nano, recorded)
+    return recorded
+
+
+def run_spent_nano(settings: Settings, run_id: int) -> int:
+    with session_scope(settings) as session:
+        return spend_store.spent_nano(session, "run", run_key(run_id))
+
+
+def day_spent_nano(settings: Settings, at: datetime | None = None) -> int:
+    with session_scope(settings) as session:
+        return spend_store.spent_nano(session, "day", day_key(at))

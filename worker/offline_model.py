@@ -1,0 +1,125 @@
+"""The deterministic built-in model, plugged into litellm as a custom provider.
+
+``REVERIE_LLM_MODEL=offline`` routes through the same gateway code as a real model
+(token counting, reservation, the litellm call, usage, settlement); only the answer is
+computed here. Prompt convention: the system prompt starts with ``[reverie:<purpose>]``
+and the last user message carries the task input as JSON after a line ``INPUT:``.
+The reply is a JSON array of items.
+
+Importing this module does not import litellm; :func:`build_handler` does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+PROVIDER = "reverie-offline"
+MODEL = f"{PROVIDER}/offline"
+# Nominal prices (USD per token) used when REVERIE_LLM_*_COST_PER_TOKEN are unset:
+# the order of magnitude of a small hosted model, so caps bite as they would for real.
+NOMINAL_INPUT_COST_PER_TOKEN = 1e-6
+NOMINAL_OUTPUT_COST_PER_TOKEN = 2e-6
+
+_TAG = re.compile(r"^\[reverie:([a-z_]+)\]")
+
+
+def purpose_of(messages: list[dict[str, Any]]) -> str:
+    """The purpose named by the system prompt's tag line ('' when there is none)."""
+    for message in messages:
+        if message.get("role") == "system":
+            match = _TAG.match(str(message.get("content", "")))
+            return match.group(1) if match else ""
+    return ""
+
+
+def input_of(messages: list[dict[str, Any]]) -> Any:
+    """The JSON after the ``INPUT:`` line of the last user message (None if absent)."""
+    for message in reversed(messages):
+        if message.get("role") != "user":
+            continue
+        content = str(message.get("content", ""))
+        marker = content.rfind("INPUT:")
+        if marker < 0:
+            return None
+        try:
+            return json.loads(content[marker + len("INPUT:") :])
+        except ValueError:
+            return None
+    return None
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def summarize(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """Fold the entries, in order, into ``target`` items of ``key: value; ...`` text."""
+    entries = [e for e in task.get("entries", []) if isinstance(e, dict)]
+    target = max(1, int(task.get("target", 1)))
+    if not entries:
+        return []
+    stem = f"{task.get('category') or 'fact'}_summary"
+    chunks = min(target, len(entries))
+    size = -(-len(entries) // chunks)
+    items = []
+    for index in range(chunks):
+        part = entries[index * size : (index + 1) * size]
+        if not part:
+            break
+        value = "; ".join(f"{e.get('key')}: {_text(e.get('value'))}" for e in part)
+        key = stem if chunks == 1 else f"{stem}_{index + 1}"
+        items.append({"key": key, "value": value})
+    return items
+
+
+def answer(purpose: str, task: Any) -> str:
+    """The reply text for a purpose and its input."""
+    if not isinstance(task, dict):
+        return "[]"
+    if purpose == "summarize":
+        items = summarize(task)
+    elif purpose == "extract_facts":
+        from worker import offline_rules
+
+        items = offline_rules.extract_facts(task)
+    elif purpose == "feedback":
+        from worker import offline_rules
+
+        items = offline_rules.feedback_candidates(task)
+    else:
+        items = []
+    return json.dumps(items, ensure_ascii=False)
+
+
+def build_handler() -> Any:
+    """A litellm ``CustomLLM`` instance that answers with :func:`answer`."""
+    import litellm
+    from litellm.llms.custom_llm import CustomLLM
+
+    class OfflineModel(CustomLLM):
+        def completion(self, model: str, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
+            params = kwargs.get("optional_params") or {}
+            max_tokens = int(params.get("max_tokens") or 1024)
+            # A module-level lookup at call time, so tests can script replies and failures.
+            text = answer(purpose_of(messages), input_of(messages))
+            prompt_tokens = litellm.token_counter(model=MODEL, messages=messages)
+            completion_tokens = litellm.token_counter(model=MODEL, text=text, count_response_tokens=True)
+            if completion_tokens > max_tokens:
+                # Like a real model: the reply stops at the output ceiling.
+                text = text[: max(1, len(text) * max_tokens // completion_tokens - 1)]
+                completion_tokens = min(
+                    max_tokens, litellm.token_counter(model=MODEL, text=text, count_response_tokens=True)
+                )
+            return litellm.ModelResponse(
+                model=model,
+                choices=[{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                usage={
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            )
+
+    return OfflineModel()
