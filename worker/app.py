@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery
 from celery.signals import worker_process_init
-from kombu import Queue
+from kombu.entity import Queue
 
 import worker.celery_hooks  # noqa: F401  (logging context, metrics, task events)
 from schedules.beat import beat_schedule
@@ -71,7 +71,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Default limits for a task that declares none; each task in worker.jobs sets its own.
         "task_soft_time_limit": 240,
         "task_time_limit": 300,
-        "task_queues": [Queue(name) for name in QUEUES],
+        "task_queues": [Queue(name) for name in QUEUES],  # type: ignore[no-untyped-call]
         "task_default_queue": HOUSEKEEPING_QUEUE,
         "task_routes": ROUTES,
         "task_create_missing_queues": False,
@@ -92,10 +92,12 @@ def create_app(settings: Settings) -> Celery:
     return celery
 
 
-@worker_process_init.connect
 def _fresh_engines(**_: Any) -> None:
     # A forked child must not reuse the parent's pooled connections.
     dispose_engines()
+
+
+worker_process_init.connect(_fresh_engines)
 
 
 app = create_app(get_settings())

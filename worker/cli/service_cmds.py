@@ -1,0 +1,81 @@
+"""``reverie worker`` and ``reverie beat``: the Celery worker and beat of this app.
+
+Each replaces this process with ``python -m celery -A worker.app worker|beat`` (so
+signals from a supervisor reach Celery directly), adds sensible defaults, and passes
+any further arguments through: ``reverie worker -- --pool solo``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from worker.cli.common import app, fail, load_settings
+
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+ALL_QUEUES = "signals,dreams,housekeeping"
+
+
+def celery_argv(command: str, options: list[str], extra: list[str]) -> list[str]:
+    """The command line that runs Celery's ``command`` for this app."""
+    return [sys.executable, "-m", "celery", "-A", "worker.app", command, *options, *extra]
+
+
+def _exec(argv: list[str]) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(argv[0], argv)  # noqa: S606 - our own interpreter, no shell
+    except OSError as exc:
+        fail(f"cannot start celery: {exc.strerror or exc}")
+
+
+@app.command(context_settings=PASS_THROUGH)
+def worker(
+    ctx: typer.Context,
+    queues: Annotated[str, typer.Option("--queues", "-Q", help="Comma-separated queues to consume.")] = ALL_QUEUES,
+    concurrency: Annotated[
+        int | None,
+        typer.Option("--concurrency", "-c", min=1, help="Worker processes (default REVERIE_WORKER_CONCURRENCY)."),
+    ] = None,
+    loglevel: Annotated[str | None, typer.Option("--loglevel", "-l", help="Default REVERIE_LOG_LEVEL.")] = None,
+) -> None:
+    """Run the Celery worker (the same as `celery -A worker.app worker`)."""
+    from worker.metrics_server import prepare_multiprocess_dir
+
+    settings = load_settings()
+    unknown = set(queues.split(",")) - set(ALL_QUEUES.split(","))
+    if unknown:
+        fail(f"unknown queue(s) {', '.join(sorted(unknown))}; expected some of {ALL_QUEUES}", code=2)
+    # The children's metrics are summed from files; the directory must be named before
+    # anything in the worker imports prometheus_client.
+    prepare_multiprocess_dir()
+    options = [
+        "--queues",
+        queues,
+        "--concurrency",
+        str(concurrency or settings.worker_concurrency),
+        "--loglevel",
+        loglevel or settings.log_level,
+    ]
+    _exec(celery_argv("worker", options, list(ctx.args)))
+
+
+@app.command(context_settings=PASS_THROUGH)
+def beat(
+    ctx: typer.Context,
+    schedule: Annotated[
+        str | None,
+        typer.Option("--schedule", "-s", help="Beat's state file (default: celerybeat-schedule here)."),
+    ] = None,
+    loglevel: Annotated[str | None, typer.Option("--loglevel", "-l", help="Default REVERIE_LOG_LEVEL.")] = None,
+) -> None:
+    """Run Celery beat (the same as `celery -A worker.app beat`). Run exactly one."""
+    settings = load_settings()
+    options = ["--loglevel", loglevel or settings.log_level]
+    if schedule is not None:
+        options += ["--schedule", schedule]
+    _exec(celery_argv("beat", options, list(ctx.args)))

@@ -1,0 +1,125 @@
+"""The Celery tasks: thin wrappers that take ids, call a plain function, and return.
+
+Each function called here opens its own transaction(s) through ``store.db`` and commits
+at its boundary; follow-up messages are sent only after that commit. Arguments are ids
+(JSON), never objects or user data.
+
+Retry policy: only typed transient errors (:class:`~worker.errors.TransientError`,
+:class:`~worker.errors.DatabaseUnavailable`) are retried, with exponential backoff
+capped well below the broker's visibility timeout. Anything else is a bug or bad
+input and fails the task once. Periodic tasks never retry: the next tick does the
+same work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from celery import Task
+from celery.exceptions import SoftTimeLimitExceeded
+
+from schedules import dispatcher, sweeper
+from tasks.activity import detect_routines
+from tasks.dream import dream_user
+from tasks.signals import process_signal
+from worker.app import app
+from worker.errors import BrokerUnavailable, DatabaseUnavailable, TransientError
+from worker.logs import get_logger
+from worker.metrics_server import refresh_pending_gauge
+from worker.settings import get_settings
+from worker.wakeup import send_user_runs, wake_signals
+
+log = get_logger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+TRANSIENT = (TransientError, DatabaseUnavailable)
+#: Longest wait before a retry; with jitter and the cap it stays far below the
+#: visibility timeout, so no retry is a long countdown in Redis.
+RETRY_BACKOFF_MAX = 300
+RETRY = {
+    "autoretry_for": TRANSIENT,
+    "retry_backoff": 5,
+    "retry_backoff_max": RETRY_BACKOFF_MAX,
+    "retry_jitter": True,
+    "max_retries": 8,
+}
+#: A chunk of users hands what is left to a new message after this long, so one
+#: message never holds a worker near its time limit.
+CHUNK_BUDGET_SECONDS = 600.0
+
+
+def task(name: str, **options: Any) -> Callable[[F], F]:
+    """``app.task`` with a type, so the task bodies stay type-checked."""
+    decorator: Callable[[F], F] = app.task(name=name, **options)
+    return decorator
+
+
+@task("signals.process", soft_time_limit=240, time_limit=300, **RETRY)
+def process(signal_id: int) -> str:
+    """Process one signal by id; a wake-up for a finished signal is a no-op."""
+    return process_signal(get_settings(), signal_id)
+
+
+@task("dream.run_user", soft_time_limit=1500, time_limit=1800, **RETRY)
+def run_user(user_id: str) -> str:
+    """One user's dream on demand; returns the run's status."""
+    return dream_user(get_settings(), user_id, trigger="manual").status
+
+
+@task("dream.run_users", bind=True, soft_time_limit=1500, time_limit=1800, max_retries=8)
+def run_users(self: Task, user_ids: list[str]) -> dict[str, int]:
+    """A chunk of dispatched users, dreamed in turn (see :func:`dispatcher.run_chunk`)."""
+    settings = get_settings()
+    result = dispatcher.run_chunk(
+        user_ids,
+        lambda user_id: dream_user(settings, user_id, trigger="schedule"),
+        budget_seconds=CHUNK_BUDGET_SECONDS,
+        interrupts=(SoftTimeLimitExceeded,),
+    )
+    if result.remaining and result.transient is not None:
+        countdown = min(5 * 2**self.request.retries, RETRY_BACKOFF_MAX)
+        raise self.retry(args=[result.remaining], exc=result.transient, countdown=countdown)
+    if result.remaining:
+        send_user_runs(settings, result.remaining)
+    return {"dreamed": result.dreamed, "busy": result.busy, "failed": result.failed, "handed_on": len(result.remaining)}
+
+
+@task("schedules.dispatch", soft_time_limit=100, time_limit=120)
+def dispatch() -> int:
+    """Beat's tick: claim the due users and send their runs in chunks."""
+    settings = get_settings()
+    return dispatcher.dispatch(settings, lambda chunk: send_user_runs(settings, chunk)).sent
+
+
+@task("schedules.sweep", soft_time_limit=100, time_limit=120)
+def sweep() -> int:
+    """Re-send wake-ups for signals that are not moving."""
+    settings = get_settings()
+
+    def send(signal_ids: list[int]) -> int:
+        try:
+            return wake_signals(settings, signal_ids)
+        except BrokerUnavailable as exc:
+            log.warning("sweep.broker_unavailable", sent=exc.sent, error=exc.reason)
+            return exc.sent
+
+    return sweeper.sweep(settings, send)
+
+
+@task("schedules.adopt", soft_time_limit=1700, time_limit=1800)
+def adopt() -> int:
+    """Schedule the memory table's users that have no schedule row yet."""
+    return dispatcher.adopt(get_settings())
+
+
+@task("activity.routines", soft_time_limit=3300, time_limit=3600, **RETRY)
+def routines() -> int:
+    """The daily routine detection over recent activity events."""
+    return detect_routines(get_settings())
+
+
+@task("metrics.refresh_pending", soft_time_limit=25, time_limit=30)
+def refresh_pending() -> dict[str, Any]:
+    """Refresh ``dream_signals_pending`` from the database."""
+    return dict(refresh_pending_gauge(get_settings()))
