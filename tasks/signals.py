@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from store import schedule
@@ -182,9 +181,9 @@ def process_claimed(settings: Settings, claim: Claimed) -> SignalResult:
         log_detail = {"error": type(exc).__name__}
     except (DatabaseUnavailable, SchemaMissing):
         raise
-    except (DBAPIError, RecursionError, ValueError, TypeError, KeyError) as exc:
-        # A row the database refuses or input no check foresaw: retried a bounded
-        # number of times, then dead, never fatal to the pass.
+    except Exception as exc:
+        # A row the database refuses, input no check foresaw, or a bug: one signal
+        # must never stop the pass, and a bug must not be retried forever.
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
         result.reason = f"internal error: {type(exc).__name__}"
         # Where it happened, not the message: messages can quote payload text.
