@@ -127,3 +127,9 @@ def prunable_where(
     if owners is not None:
         condition = and_(condition, owner.in_(sorted(owners)))
     return condition
+
+
+def observe_access_counts(session: Session, table: Table, *, user_ids: Collection[str], at: datetime) -> None:
+    """:func:`observe_recalls` for several users (a look taken at ``at``)."""
+    for user_id in user_ids:
+        observe_recalls(session, table, user_id, at)

@@ -1,0 +1,92 @@
+"""One pass in this process, for cron (``reverie run``): signals first, then dreams.
+
+Without ``users`` or ``all_users`` the users due now are dreamed (see
+:mod:`store.schedule`); each user's run is :func:`tasks.dream.dream_user`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from store import schedule
+from store.db import session_scope
+from store.types import now
+from tasks.dream import RunOutcome, dream_user
+from worker.settings import Settings
+
+
+@dataclass
+class PassReport:
+    """The contract's ``reverie run --json`` object (section 4), plus detail."""
+
+    users_processed: int = 0
+    users_skipped: int = 0
+    users_failed: int = 0
+    entries_pruned: int = 0
+    contradictions_found: int = 0
+    entries_summarized: int = 0
+    groups_deferred: int = 0
+    signals_processed: int = 0
+    signals_rejected: int = 0
+    signals_failed: int = 0
+    signals_dead: int = 0
+    cost_usd: float = 0.0
+    run_ids: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, outcome: RunOutcome) -> None:
+        if outcome.run_id is not None:
+            self.run_ids.append(outcome.run_id)
+        if outcome.status == "skipped":
+            self.users_skipped += 1
+            return
+        if outcome.status == "failed":
+            self.users_failed += 1
+            if outcome.error:
+                self.errors.append(f"run {outcome.run_id}: {outcome.error}")
+        self.users_processed += 1
+        self.entries_pruned += outcome.entries_pruned
+        self.contradictions_found += outcome.contradictions_found
+        self.entries_summarized += outcome.entries_summarized
+        self.groups_deferred += outcome.groups_deferred
+        self.cost_usd = round(self.cost_usd + outcome.cost_usd, 9)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def users_for(settings: Settings, *, users: Sequence[str], all_users: bool) -> list[str]:
+    """The users a pass dreams: the named ones, everyone, or those due now."""
+    if users:
+        return list(dict.fromkeys(users))
+    with session_scope(settings) as session:
+        if all_users:
+            return schedule.all_user_ids(session, settings)
+        return schedule.due_user_ids(session, now(), limit=10_000_000, settings=settings)
+
+
+def run_once(
+    settings: Settings,
+    *,
+    users: Sequence[str] = (),
+    all_users: bool = False,
+    on_user: Callable[[int, int], None] | None = None,
+) -> PassReport:
+    """Process pending signals, then dream the chosen users; ``on_user(done, total)``
+    is called after each user (progress display)."""
+    from tasks.signals import process_pending
+
+    report = PassReport()
+    signals = process_pending(settings)
+    report.signals_processed = signals.processed
+    report.signals_rejected = signals.rejected
+    report.signals_failed = signals.failed
+    report.signals_dead = signals.dead
+    chosen = users_for(settings, users=users, all_users=all_users)
+    for done, user_id in enumerate(chosen, start=1):
+        report.add(dream_user(settings, user_id, trigger="cron"))
+        if on_user is not None:
+            on_user(done, len(chosen))
+    return report

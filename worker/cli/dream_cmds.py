@@ -1,0 +1,146 @@
+"""``reverie run``, ``reverie restore`` and ``reverie policy set|show``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from worker.cli.common import app, fail, load_settings
+
+policy_app = typer.Typer(help="Per-agent dream policy (EDDI dreamConfig field names).", no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
+
+CONTRACT_KEYS = (
+    "users_processed",
+    "entries_pruned",
+    "contradictions_found",
+    "entries_summarized",
+    "signals_processed",
+    "signals_rejected",
+    "signals_failed",
+    "cost_usd",
+    "run_ids",
+)
+
+
+@app.command()
+def run(
+    user: Annotated[list[str] | None, typer.Option("--user", help="Dream this user (repeatable).")] = None,
+    all_users: Annotated[bool, typer.Option("--all", help="Dream every user, due or not.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    metrics_textfile: Annotated[
+        Path | None, typer.Option("--metrics-textfile", help="Write the metrics here for node-exporter.")
+    ] = None,
+) -> None:
+    """One pass in this process: pending signals, then the users that are due."""
+    from schedules.cron import run_once
+    from store.db import check_connection
+
+    if user and all_users:
+        fail("--user and --all exclude each other", code=2)
+    settings = load_settings()
+    check_connection(settings)
+    show_progress = not as_json and sys.stderr.isatty()
+    if show_progress:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as progress:
+            task = progress.add_task("dreaming", total=None)
+            report = run_once(
+                settings,
+                users=user or (),
+                all_users=all_users,
+                on_user=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+    else:
+        report = run_once(settings, users=user or (), all_users=all_users)
+    if metrics_textfile is not None:
+        from worker.metrics_textfile import write_textfile
+
+        write_textfile(metrics_textfile)
+    data = report.as_dict()
+    if as_json:
+        print(json.dumps(data, sort_keys=True))
+    else:
+        _print_report(data)
+    if report.users_failed:
+        raise typer.Exit(1)
+
+
+def _print_report(data: dict[str, Any]) -> None:
+    print(
+        f"signals: {data['signals_processed']} processed, {data['signals_rejected']} rejected, "
+        f"{data['signals_failed']} failed, {data['signals_dead']} dead"
+    )
+    print(
+        f"users: {data['users_processed']} dreamed, {data['users_skipped']} skipped (busy), "
+        f"{data['users_failed']} failed"
+    )
+    print(
+        f"entries: {data['entries_pruned']} pruned, {data['entries_summarized']} summarized; "
+        f"{data['contradictions_found']} new contradictions; {data['groups_deferred']} groups deferred"
+    )
+    print(f"cost: {data['cost_usd']:.6f} USD; runs: {', '.join(map(str, data['run_ids'])) or 'none'}")
+    for error in data["errors"]:
+        print(f"failed: {error}", file=sys.stderr)
+
+
+@app.command()
+def restore(
+    run_id: Annotated[int, typer.Option("--run", help="The ledger id of the run to undo.", min=1)],
+) -> None:
+    """Put back every row a run archived (and take out the summaries it wrote)."""
+    from store.archive import restore_run
+    from store.db import session_scope
+    from store.memories import table_for
+
+    settings = load_settings()
+    with session_scope(settings) as session:
+        result = restore_run(session, table_for(settings), run_id)
+    print(
+        f"run {run_id}: restored {result.restored} entries, took out {result.removed_inserts} it wrote"
+        + (f", {result.conflicts} left archived (their key is taken again)" if result.conflicts else "")
+    )
+
+
+@policy_app.command("set")
+def policy_set(
+    agent: Annotated[str, typer.Argument(help="The agent id.")],
+    assignments: Annotated[list[str], typer.Argument(help="KEY=VALUE, e.g. pruneStaleAfterDays=30")],
+) -> None:
+    """Set fields of an agent's dream policy; unset fields keep the defaults."""
+    from store import policies
+    from store.db import session_scope
+    from worker.errors import ConfigError
+    from worker.policy import effective, parse_assignments
+
+    try:
+        changes = parse_assignments(assignments)
+    except ConfigError as exc:
+        fail(str(exc), code=2)
+    settings = load_settings()
+    with session_scope(settings) as session:
+        stored = policies.merge_config(session, agent, changes)
+    print(json.dumps({"agent": agent, "policy": effective(settings, stored).as_config()}, sort_keys=True))
+
+
+@policy_app.command("show")
+def policy_show(
+    agent: Annotated[str | None, typer.Argument(help="One agent; all agents with a policy if omitted.")] = None,
+) -> None:
+    """Print effective policies as JSON (the defaults under ``"*"``)."""
+    from store import policies
+    from store.db import session_scope
+    from worker.policy import defaults, effective
+
+    settings = load_settings()
+    with session_scope(settings) as session:
+        configs = policies.all_configs(session) if agent is None else {agent: policies.get_config(session, agent) or {}}
+    out: dict[str, Any] = {"*": defaults(settings).as_config()} if agent is None else {}
+    for name, config in sorted(configs.items()):
+        out[name] = {**effective(settings, config).as_config(), "overrides": sorted(config)}
+    print(json.dumps(out, sort_keys=True, indent=2))
