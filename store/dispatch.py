@@ -15,7 +15,7 @@ import math
 from datetime import datetime, timedelta
 from typing import cast
 
-from sqlalchemy import Table, bindparam, or_, select, text, union, update
+from sqlalchemy import Table, bindparam, or_, select, text, union, union_all, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -122,8 +122,8 @@ def _claim_portable(
 ) -> list[str]:
     # SQLite has one writer at a time: the UPDATE takes the write lock before it reads,
     # so a concurrent claim waits and then no longer sees these users as due.
-    timed = select(UserState.user_id).where(UserState.next_dream_at <= at)
-    dirty = select(UserState.user_id).where(
+    timed = select(UserState.user_id, UserState.next_dream_at.label("since")).where(UserState.next_dream_at <= at)
+    dirty = select(UserState.user_id, UserState.dirty_since.label("since")).where(
         UserState.dirty_since.is_not(None),
         UserState.dirty_since <= dirty_cutoff,
         or_(
@@ -132,13 +132,11 @@ def _claim_portable(
             UserState.dispatched_at < lease_cutoff,
         ),
     )
-    due = union(timed, dirty).subquery()
+    due = union_all(timed, dirty).subquery()
+    first = select(due.c.user_id).order_by(due.c.since).limit(limit)
     claimed = list(
         session.scalars(
-            update(UserState)
-            .where(UserState.user_id.in_(select(due.c.user_id).limit(limit)))
-            .values(dispatched_at=at)
-            .returning(UserState.user_id)
+            update(UserState).where(UserState.user_id.in_(first)).values(dispatched_at=at).returning(UserState.user_id)
         )
     )
     if claimed:
