@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, Table, and_, case, delete, false, func, literal, or_, select
+from sqlalchemy import ColumnElement, Table, and_, case, delete, false, func, literal, or_, select, true
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -67,7 +67,7 @@ def forget_missing(session: Session, table: Table, user_id: str) -> int:
     """Drop state rows of the user's entries that no longer exist."""
     gone = delete(EntryState).where(
         EntryState.user_id == user_id,
-        ~select(table.c.id).where(table.c.id == EntryState.entry_id).exists(),
+        ~select(table.c.id).where(table.c.id == EntryState.entry_id).correlate(EntryState).exists(),
     )
     return int(session.execute(gone).rowcount or 0)  # type: ignore[attr-defined]
 
@@ -86,6 +86,7 @@ def _stale(table: Table, cutoff: datetime, last_access_column: str | None) -> Co
     recalled = (
         select(EntryState.entry_id)
         .where(EntryState.entry_id == table.c.id, EntryState.last_recalled_at >= cutoff)
+        .correlate(table)
         .exists()
     )
     condition = and_(touched < cutoff, ~recalled)
@@ -117,9 +118,9 @@ def prunable_where(
         if cutoff is not None:
             branches.append(and_(owner == agent, _stale(table, cutoff, last_access_column)))
     if default_cutoff is not None:
-        others: ColumnElement[bool] = owner.is_(None)
+        others: ColumnElement[bool] = true()
         if agent_cutoffs:
-            others = or_(others, owner.not_in(sorted(agent_cutoffs)))
+            others = or_(owner.is_(None), owner.not_in(sorted(agent_cutoffs)))
         branches.append(and_(others, _stale(table, default_cutoff, last_access_column)))
     if not branches:
         return false()
