@@ -1,0 +1,250 @@
+"""Claiming, applying and recording signal outcomes: exactly-once effects (real PostgreSQL)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import select, update
+
+from store import signals as signal_store
+from store.db import session_scope
+from store.memories import table_for
+from store.models import Event, Signal
+from store.types import now
+from tasks import session_end
+from tasks.signals import HANDLERS, Handler, process_claimed, process_pending, process_signal
+from worker import llm
+from worker.errors import BudgetExhausted, PermanentError, TransientError
+from worker.producer import enqueue_signal
+from worker.settings import Settings
+
+
+def said(text: str, conversation: str = "c1") -> dict[str, Any]:
+    return {"conversation_id": conversation, "agent_id": "agent-a", "messages": [{"role": "user", "content": text}]}
+
+
+def signal_row(settings: Settings, signal_id: int) -> Signal:
+    with session_scope(settings) as session:
+        row = session.get(Signal, signal_id)
+        assert row is not None
+        return row
+
+
+def memory_count(settings: Settings) -> int:
+    with session_scope(settings) as session:
+        return len(session.execute(select(table_for(settings).c.id)).all())
+
+
+def event_count(settings: Settings) -> int:
+    with session_scope(settings) as session:
+        return len(session.scalars(select(Event.id)).all())
+
+
+def counter(kind: str, outcome: str) -> float:
+    return REGISTRY.get_sample_value("dream_signals_processed_total", {"kind": kind, "outcome": outcome}) or 0.0
+
+
+def test_done_sets_processed_at_and_counts(pg_settings: Settings) -> None:
+    before = counter("session_end", "done")
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    assert process_signal(pg_settings, sid) == "done"
+    row = signal_row(pg_settings, sid)
+    assert (row.status, row.attempts, row.claim_token, row.last_error) == ("done", 1, None, None)
+    assert row.processed_at is not None
+    assert counter("session_end", "done") == before + 1
+    # Redelivery of a finished signal does nothing.
+    assert process_signal(pg_settings, sid) == "skipped"
+    assert (memory_count(pg_settings), event_count(pg_settings)) == (1, 1)
+
+
+def test_invalid_row_is_rejected_with_the_field_named_and_never_retried(pg_settings: Settings) -> None:
+    with session_scope(pg_settings) as session:
+        sid = signal_store.insert_signal(
+            session,
+            kind="session_end",
+            user_id="u1",
+            payload={"conversation_id": "c", "messages": [{"role": "robot", "content": "hi"}]},
+            agent_id=None,
+            idempotency_key=None,
+            fallback_key="x",
+        ).signal_id
+    report = process_pending(pg_settings)
+    assert report.rejected == 1
+    row = signal_row(pg_settings, sid)
+    assert row.status == "rejected"
+    assert row.last_error is not None and row.last_error.startswith("payload.messages[0].role:")
+    assert process_pending(pg_settings).results == []
+
+
+def test_transient_error_fails_with_backoff_then_dies(make_settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = make_settings(signal_max_attempts=2, signal_backoff_seconds=60)
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise TransientError("RateLimitError: slow down")
+
+    monkeypatch.setattr(llm, "complete", boom)
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=settings).signal_id
+    started = now()
+    assert process_pending(settings).failed == 1
+    row = signal_row(settings, sid)
+    assert (row.status, row.attempts) == ("failed", 1)
+    assert row.available_at >= started + timedelta(seconds=59)
+    assert "RateLimitError" in (row.last_error or "")
+    # Not due yet: nothing happens.
+    assert process_pending(settings).results == []
+    with session_scope(settings) as session:
+        session.execute(update(Signal).where(Signal.id == sid).values(available_at=now() - timedelta(seconds=1)))
+    assert process_pending(settings).dead == 1
+    row = signal_row(settings, sid)
+    assert (row.status, row.attempts) == ("dead", 2)
+    assert memory_count(settings) == 0
+    # `reverie signals retry` puts it back; with the model healthy again it is applied.
+    monkeypatch.undo()
+    with session_scope(settings) as session:
+        assert signal_store.retry_signals(session, signal_id=sid) == [sid]
+    assert process_pending(settings).processed == 1
+    assert memory_count(settings) == 1
+
+
+def test_permanent_model_error_goes_dead_for_an_operator(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def bad(*args: Any, **kwargs: Any) -> Any:
+        raise PermanentError("model 'x' has no price")
+
+    monkeypatch.setattr(llm, "complete", bad)
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    assert process_pending(pg_settings).dead == 1
+    assert "permanent model error" in (signal_row(pg_settings, sid).last_error or "")
+
+
+def test_budget_exhausted_waits_without_using_attempts(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broke(*args: Any, **kwargs: Any) -> Any:
+        raise BudgetExhausted("day", 0.01, 0.0)
+
+    monkeypatch.setattr(llm, "complete", broke)
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    assert process_pending(pg_settings).failed == 1
+    row = signal_row(pg_settings, sid)
+    assert (row.status, row.attempts) == ("failed", 0)
+
+
+def test_unexpected_error_is_recorded_not_raised(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    def bug(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(llm, "complete", bug)
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    assert process_pending(pg_settings).failed == 1
+    assert signal_row(pg_settings, sid).last_error == "internal error: RuntimeError"
+
+
+def test_crash_before_done_leaves_nothing_and_the_retry_applies_once(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    real_finish = signal_store.finish_signal
+
+    def crash(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("status") == "done":
+            raise KeyboardInterrupt  # the worker dies after the memory write, before commit
+        return real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(signal_store, "finish_signal", crash)
+    with pytest.raises(KeyboardInterrupt):
+        process_pending(pg_settings)
+    monkeypatch.setattr(signal_store, "finish_signal", real_finish)
+    assert memory_count(pg_settings) == 0
+    row = signal_row(pg_settings, sid)
+    assert row.status == "processing"
+    # Its lease expires; the next pass claims it again and applies it once.
+    with session_scope(pg_settings) as session:
+        session.execute(update(Signal).where(Signal.id == sid).values(claimed_until=now() - timedelta(seconds=1)))
+    assert process_pending(pg_settings).processed == 1
+    assert (signal_row(pg_settings, sid).attempts, memory_count(pg_settings), event_count(pg_settings)) == (2, 1, 1)
+
+
+def test_lost_claim_writes_nothing(pg_settings: Settings) -> None:
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    with session_scope(pg_settings) as session:
+        [stale] = signal_store.claim_signals(session, lease_seconds=60, limit=1)
+        # The first worker stalls past its lease; a second worker takes over and finishes.
+        session.execute(update(Signal).where(Signal.id == sid).values(claimed_until=now() - timedelta(seconds=1)))
+    assert process_pending(pg_settings).processed == 1
+    # The first worker wakes up: its claim token is no longer valid.
+    assert process_claimed(pg_settings, stale).outcome == "skipped"
+    assert (memory_count(pg_settings), event_count(pg_settings)) == (1, 1)
+
+
+def test_expired_lease_after_last_attempt_is_dead(make_settings: Any) -> None:
+    settings = make_settings(signal_max_attempts=1)
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=settings).signal_id
+    with session_scope(settings) as session:
+        signal_store.claim_signals(session, lease_seconds=60, limit=1)
+        session.execute(update(Signal).where(Signal.id == sid).values(claimed_until=now() - timedelta(seconds=1)))
+    assert process_pending(settings).dead == 1
+    assert signal_row(settings, sid).status == "dead"
+
+
+def test_two_workers_racing_on_one_signal_apply_it_once(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    outcomes: list[str] = []
+    start = threading.Barrier(4)
+
+    def worker() -> None:
+        start.wait()
+        outcomes.append(process_signal(pg_settings, sid))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(outcomes) == ["done", "skipped", "skipped", "skipped"]
+    assert (memory_count(pg_settings), event_count(pg_settings)) == (1, 1)
+    assert signal_row(pg_settings, sid).attempts == 1
+
+
+def test_concurrent_passes_share_the_work_without_duplicates(pg_settings: Settings) -> None:
+    for i in range(30):
+        enqueue_signal("session_end", f"user-{i}", said(f"My lucky number is {i}", f"c{i}"), settings=pg_settings)
+    reports = []
+
+    def worker() -> None:
+        reports.append(process_pending(pg_settings))
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sum(r.processed for r in reports) == 30
+    done_ids = [r.signal_id for report in reports for r in report.results if r.outcome == "done"]
+    assert len(done_ids) == len(set(done_ids)) == 30
+    assert (memory_count(pg_settings), event_count(pg_settings)) == (30, 30)
+
+
+def test_apply_checks_the_row_still_exists(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    real_prepare = session_end.prepare
+
+    def prepare_then_vanish(settings: Settings, signal: Any) -> Any:
+        prepared = real_prepare(settings, signal)
+        with session_scope(settings) as session:
+            session.execute(Signal.__table__.delete().where(Signal.id == sid))
+        return prepared
+
+    monkeypatch.setitem(HANDLERS, "session_end", Handler(prepare_then_vanish, session_end.apply))
+    assert process_pending(pg_settings).skipped == 1
+    assert memory_count(pg_settings) == 0
+
+
+def test_sqlite_backend_processes_signals(sqlite_settings: Settings) -> None:
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=sqlite_settings).signal_id
+    assert process_pending(sqlite_settings).processed == 1
+    assert signal_row(sqlite_settings, sid).status == "done"
+    assert memory_count(sqlite_settings) == 1
