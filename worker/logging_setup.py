@@ -77,7 +77,8 @@ _SECRET_KEY_PARTS = (
     "cookie",
     "credential",
 )
-_USER_KEYS = frozenset({"user_id", "user", "userid", "uid"})
+_USER_KEYS = frozenset({"user_id", "user", "userid", "uid", "user_ref"})
+_USER_REF = re.compile(r"[0-9a-f]{12}")
 # Structure the renderer needs, and nothing a caller can put user text into.
 _PASSTHROUGH_KEYS = frozenset({"level", "logger", "timestamp", "task_id", "task_name", "run_id", "signal_id"})
 
@@ -111,8 +112,9 @@ _TEXT_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
 _WORD = re.compile(r"[A-Za-z0-9_\-]{24,}")
 
 # Loggers whose records can carry prompts or bound SQL parameters below WARNING.
-_WARNING_FLOOR = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy", "litellm", "sqlalchemy.engine", "httpx", "openai")
-_ROUTED = ("celery", "kombu", "amqp", "billiard", "sqlalchemy", "alembic", "redis", *_WARNING_FLOOR)
+# (SQLAlchemy's INFO is per-statement parameters and mapper chatter: never wanted.)
+_WARNING_FLOOR = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy", "litellm", "sqlalchemy", "httpx", "openai")
+_ROUTED = ("celery", "kombu", "amqp", "billiard", "alembic", "redis", *_WARNING_FLOOR)
 _LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
 
 
@@ -137,7 +139,9 @@ def _redact_value(key: str, value: Any, hash_key: str) -> Any:
     if lowered in _CONTENT_KEYS:
         return REDACTED
     if lowered in _USER_KEYS and isinstance(value, str | int):
-        return user_ref(str(value), hash_key)
+        # Callers are asked to log user_ref(user_id) already; hashing that again would
+        # give a value an operator can no longer match.
+        return value if _USER_REF.fullmatch(str(value)) else user_ref(str(value), hash_key)
     if _is_secret_key(lowered) and not isinstance(value, int | float | bool):
         return REDACTED
     return _scrub(value, hash_key)
@@ -194,7 +198,7 @@ def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> No
 
     Safe to call again (each call replaces the handler it installed before). Records go
     to ``stream`` (default: the current ``sys.stderr``). Loggers that can carry prompts
-    or SQL parameters (litellm's, ``sqlalchemy.engine``) stay at WARNING or above
+    or SQL parameters (litellm's, SQLAlchemy's) stay at WARNING or above
     whatever ``REVERIE_LOG_LEVEL`` says.
     """
     out = stream if stream is not None else sys.stderr

@@ -1,0 +1,135 @@
+"""Logs tell an operator what happened and leak nothing a user said."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import structlog
+from celery import signals
+
+import worker.celery_hooks  # noqa: F401 - connects the handlers under test
+from worker.logging_setup import configure_logging, redact_text
+from worker.logs import get_logger, user_ref
+from worker.producer import enqueue_signal
+from worker.settings import Settings
+
+SECRET = "sk-proj-Zq8XvL2mN4pR7tY1wK9bC3dF6gH0jS5a"
+EMAIL = "dana.whitfield+memo@example.org"
+USER = "user-5521-dana"
+
+
+@pytest.fixture()
+def captured(pg_settings: Settings) -> Iterator[io.StringIO]:
+    """Everything Reverie and its libraries log, as the worker would write it."""
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    configure_logging(pg_settings.model_copy(update={"log_format": "json", "log_level": "DEBUG"}), stream=stream)
+    yield stream
+    structlog.contextvars.clear_contextvars()
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    structlog.reset_defaults()
+
+
+def lines(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
+
+
+class FakeTask:
+    name = "signals.process"
+
+
+def test_session_end_with_secret_and_email_leaks_neither(pg_settings: Settings, captured: io.StringIO) -> None:
+    from tasks.signals import process_signal
+
+    transcript = f"my api key is {SECRET}. my email is {EMAIL}. my favorite color is teal"
+    payload = {"conversation_id": "conv-1", "messages": [{"role": "user", "content": transcript}]}
+    signal_id = enqueue_signal("session_end", USER, payload, settings=pg_settings).signal_id
+
+    # The task boundary, as Celery drives it: prerun binds context, postrun clears it.
+    signals.task_prerun.send(sender=FakeTask, task_id="t-123", task=FakeTask, args=(), kwargs={"signal_id": signal_id})
+    outcome = process_signal(pg_settings, signal_id)
+    # What the real processing wrote: not even the extracted memory value is in it.
+    assert "teal" not in captured.getvalue()
+    # Careless lines, from Reverie and from libraries: every one must come out clean.
+    log = get_logger("tasks.signals")
+    log.info("debug dump", user_id=USER, payload=payload, note=f"user said {transcript}")
+    logging.getLogger("celery.app.trace").info("Task received: args=(%r,)", transcript)
+    logging.getLogger("LiteLLM").info("POST Request Sent: %s", transcript)
+    logging.getLogger("sqlalchemy.engine.Engine").info("[generated] (%r,)", transcript)
+    try:
+        raise ValueError(f"could not parse {transcript}")
+    except ValueError:
+        log.exception("parse failed")
+    signals.task_postrun.send(sender=FakeTask, task_id="t-123", task=FakeTask, state="SUCCESS")
+    log.info("after the task")
+
+    output = captured.getvalue()
+    assert outcome == "done"
+    assert SECRET not in output
+    assert SECRET[8:24] not in output
+    assert EMAIL not in output
+    assert "dana.whitfield" not in output
+    assert USER not in output
+
+    records = lines(captured)
+    done = [r for r in records if r.get("signal_id") == signal_id and r["event"] == "signal_done"]
+    assert done, records
+    # The operator can tell which signal, whose (as a hash), in which task, and how it ended.
+    assert done[0]["task_id"] == "t-123"
+    assert done[0]["task_name"] == "signals.process"
+    assert done[0]["kind"] == "session_end"
+    assert user_ref(USER, pg_settings.log_hash_key) in {r.get("user") for r in records} | {
+        r.get("user_id") for r in records
+    }
+    # The library line about the transcript is kept, with the content gone.
+    assert any(r["logger"] == "celery.app.trace" for r in records)
+    # litellm stays at WARNING: its request line (the prompt) is not written at all.
+    assert not any(r["logger"] == "LiteLLM" for r in records)
+    assert not any(r["logger"].startswith("sqlalchemy.engine") for r in records)
+    # Context is cleared when the task ends.
+    after = next(r for r in records if r["event"] == "after the task")
+    assert "task_id" not in after and "signal_id" not in after
+
+
+def test_failed_task_is_logged_by_type_without_its_message(captured: io.StringIO) -> None:
+    signals.task_prerun.send(sender=FakeTask, task_id="t-9", task=FakeTask, args=(), kwargs={"run_id": 77})
+    signals.task_failure.send(sender=FakeTask, task_id="t-9", exception=KeyError(f"row {EMAIL}"))
+    signals.task_postrun.send(sender=FakeTask, task_id="t-9", task=FakeTask, state="FAILURE")
+
+    records = lines(captured)
+    failed = next(r for r in records if r["event"] == "task failed")
+    assert failed["error_type"] == "KeyError"
+    assert failed["run_id"] == 77 and failed["task_id"] == "t-9"
+    assert EMAIL not in captured.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("text", "leak"),
+    [
+        ("Authorization: Bearer abc.def-123_ghi", "abc.def-123_ghi"),
+        ("postgresql://reverie:hunter2pass@db:5432/reverie", "hunter2pass"),
+        ("password=swordfish123 next", "swordfish123"),
+        ('{"api_key": "k-998877"}', "k-998877"),
+        ("token eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NSJ9.c2lnbmF0dXJlLXZhbHVl", "eyJzdWIiOiIxMjM0NSJ9"),
+        ("aws AKIAIOSFODNN7EXAMPLE here", "AKIAIOSFODNN7EXAMPLE"),
+        ("random Xk29dLq0Pz7Wm3Rt8Ys1Vb6Nc4Ha", "Xk29dLq0Pz7Wm3Rt8Ys1Vb6Nc4Ha"),
+        ("reach me at a.b@c.io", "a.b@c.io"),
+        ("[SQL: INSERT ...] [parameters: ('my secret diary',)]", "my secret diary"),
+    ],
+)
+def test_redact_text_removes_secret_shapes(text: str, leak: str) -> None:
+    assert leak not in redact_text(text)
+
+
+def test_ids_and_hashes_stay_readable() -> None:
+    task_id = "3f2b9c1e-7a4d-4e2b-9f1a-0c5d8e7b6a21"
+    digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+    text = f"Task signals.process[{task_id}] received key={digest}"
+    assert redact_text(text) == text

@@ -1,0 +1,289 @@
+"""The metric families of contract section 6, as a scraper and node-exporter see them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.parser import text_string_to_metric_families
+
+from store.db import session_scope
+from store.signals import insert_signal
+from worker.metrics_textfile import write_textfile
+from worker.producer import enqueue_signal
+from worker.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Contract section 6: family -> (type, label names).
+CONTRACT_FAMILIES: dict[str, tuple[str, frozenset[str]]] = {
+    "dream_users_processed": ("counter", frozenset()),
+    "dream_entries_pruned": ("counter", frozenset()),
+    "dream_contradictions_found": ("counter", frozenset()),
+    "dream_entries_summarized": ("counter", frozenset()),
+    "dream_cycles_failed": ("counter", frozenset()),
+    "dream_duration_seconds": ("histogram", frozenset()),
+    "dream_signals_processed": ("counter", frozenset({"kind", "outcome"})),
+    "dream_signal_lag_seconds": ("histogram", frozenset({"kind"})),
+    "dream_signals_pending": ("gauge", frozenset({"kind"})),
+    "dream_memory_writes": ("counter", frozenset({"source", "action"})),
+    "dream_llm_cost_usd": ("counter", frozenset({"model", "purpose"})),
+    "dream_llm_tokens": ("counter", frozenset({"model", "direction"})),
+    "dream_llm_requests": ("counter", frozenset({"model", "outcome"})),
+    "dream_budget_exhausted": ("counter", frozenset({"scope"})),
+}
+
+USERS = ("user-7f3a-alice@corp", "user-91bc-bob", "user-aa02-carol")
+
+# A worker stand-in: the real signal pass in two forked children (as prefork runs
+# them), each marked dead when it exits, then the parent serves the aggregate.
+SERVED_PROCESS = textwrap.dedent(
+    """
+    import multiprocessing, sys
+    from pathlib import Path
+    from worker.metrics_server import prepare_multiprocess_dir, mark_dead
+    prepare_multiprocess_dir(Path(sys.argv[1]))
+    from worker.settings import Settings
+    from worker.metrics_server import serve, refresh_pending_gauge
+    from worker import metrics
+    from worker.logging_setup import configure_logging
+    settings = Settings(_env_file=None, database_url=sys.argv[2], metrics_port=int(sys.argv[3]), log_format="json")
+    configure_logging(settings, stream=sys.stderr)
+
+    def session_end(user, text):
+        from worker.producer import enqueue_signal
+        payload = {"conversation_id": text, "messages": [{"role": "user", "content": text}]}
+        enqueue_signal("session_end", user, payload, settings=settings)
+
+    def signal_pass():
+        from tasks.signals import process_pending
+        process_pending(settings)
+
+    def later_signal_pass():
+        session_end("user-aa02-carol", "my pet name is Rex")
+        signal_pass()
+
+    def dream_stand_in():
+        # What a finished dream run counts; the run itself is the dream engine's.
+        metrics.USERS_PROCESSED.inc()
+        metrics.DURATION.observe(0.2)
+
+    # Loaded once in the parent, as a preforking worker would, not once per child.
+    from worker.llm import _load
+    _load()
+    ctx = multiprocessing.get_context("fork")
+    for target in (signal_pass, later_signal_pass, dream_stand_in):
+        child = ctx.Process(target=target)
+        child.start()
+        child.join()
+        assert child.exitcode == 0, child.exitcode
+        mark_dead(child.pid)
+    session_end("user-91bc-bob", "my home city is Lyon")  # left waiting
+    refresh_pending_gauge(settings)
+    server = serve(settings, addr="127.0.0.1")
+    print("ready", flush=True)
+    sys.stdin.read()
+    server.close()
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def session_end(text: str) -> dict[str, object]:
+    return {"conversation_id": "c-1", "messages": [{"role": "user", "content": text}]}
+
+
+def enqueue_work(settings: Settings) -> None:
+    """Three session ends and one malformed feedback, inserted as any producer may."""
+    for n, user in enumerate(USERS):
+        enqueue_signal("session_end", user, session_end(f"my favorite color is blue {n}"), settings=settings)
+    with session_scope(settings) as session:
+        # Inserted by hand, as any producer may: the worker, not the producer, rejects it.
+        insert_signal(
+            session,
+            kind="feedback",
+            user_id=USERS[0],
+            payload={"deliverable_id": "d"},
+            agent_id=None,
+            idempotency_key="bad-feedback",
+            fallback_key="bad-feedback",
+        )
+
+
+@contextmanager
+def served_metrics(settings: Settings, directory: Path) -> Iterator[int]:
+    """Run the stand-in worker; yield the port its parent serves ``/metrics`` on."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    log_path = directory.parent / "served-metrics.log"
+    with (
+        log_path.open("w") as log_file,
+        subprocess.Popen(
+            [sys.executable, "-c", SERVED_PROCESS, str(directory), settings.database_url, str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            cwd=ROOT,
+            env=env,
+            text=True,
+        ) as proc,
+    ):
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            if proc.stdout.readline().strip() != "ready":
+                proc.kill()
+                proc.wait(timeout=10)
+                pytest.fail(f"metrics process did not start: {log_path.read_text()[-3000:]}")
+            yield port
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        body: bytes = response.read()
+    return body.decode("utf-8")
+
+
+def families(text: str) -> dict[str, object]:
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def sample_value(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def assert_contract_families(text: str) -> None:
+    found = {family.name: family for family in text_string_to_metric_families(text)}
+    for name, (kind, labels) in CONTRACT_FAMILIES.items():
+        assert name in found, f"family {name} missing from the exposition"
+        family = found[name]
+        assert family.type == kind, (name, family.type)
+        for sample in family.samples:
+            assert set(sample.labels) - {"le"} == labels, (sample.name, sample.labels)
+
+
+def test_served_endpoint_has_every_family_sums_children_and_no_user_id(pg_settings: Settings, tmp_path: Path) -> None:
+    enqueue_work(pg_settings)
+    stale = tmp_path / "mp" / "counter_4242424.db"
+    stale.parent.mkdir()
+    stale.write_bytes(b"left by an earlier run")
+
+    with served_metrics(pg_settings, tmp_path / "mp") as port:
+        text = scrape(port)
+
+    assert_contract_families(text)
+    # An earlier run's file is wiped at start (its counts are not this worker's).
+    assert not stale.exists()
+    # Two children processed five signals between them; the parent's page adds them up.
+    done = sample_value(text, "dream_signals_processed_total", kind="session_end", outcome="done")
+    rejected = sample_value(text, "dream_signals_processed_total", kind="feedback", outcome="rejected")
+    assert (done, rejected) == (4.0, 1.0)
+    assert sample_value(text, "dream_signal_lag_seconds_count", kind="session_end") == 4.0
+    assert sample_value(text, "dream_users_processed_total") == 1.0
+    assert sample_value(text, "dream_duration_seconds_count") == 1.0
+    # One session_end signal is still waiting, and the gauge says so (zeros for the rest).
+    assert sample_value(text, "dream_signals_pending", kind="session_end") == 1.0
+    assert sample_value(text, "dream_signals_pending", kind="feedback") == 0.0
+    # Known label sets exist from the start, so alerts see the first dead signal.
+    assert 'dream_signals_processed_total{kind="activity",outcome="dead"} 0.0' in text
+    assert 'dream_budget_exhausted_total{scope="day"} 0.0' in text
+
+    label_values = {
+        value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        for value in sample.labels.values()
+    }
+    for user in USERS:
+        assert user not in label_values
+        assert user not in text
+
+
+def test_dead_children_live_gauges_are_dropped(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import multiprocessing, os, sys
+        from pathlib import Path
+        from worker.metrics_server import prepare_multiprocess_dir, reap_dead_processes
+        directory = prepare_multiprocess_dir(Path(sys.argv[1]))
+        from prometheus_client import Gauge
+        g = Gauge("probe_live", "probe", multiprocess_mode="livesum")
+        def child():
+            g.set(5)
+            os._exit(0)  # as if killed: no shutdown hook runs
+        p = multiprocessing.get_context("fork").Process(target=child)
+        p.start(); p.join()
+        before = sorted(f.name for f in directory.glob("gauge_livesum_*.db"))
+        print(len(before), reap_dead_processes(directory) == [p.pid],
+              sorted(f.name for f in directory.glob("gauge_livesum_*.db")) == [f"gauge_livesum_{os.getpid()}.db"])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+    )
+    assert out.stdout.split() == ["2", "True", "True"], out.stderr
+
+
+def test_textfile_has_every_family_and_only_reverie_families(tmp_path: Path) -> None:
+    target = tmp_path / "reverie.prom"
+    write_textfile(target)
+
+    text = target.read_text("utf-8")
+    assert_contract_families(text)
+    assert all(name.startswith("dream_") for name in families(text))
+    # node-exporter usually runs as another user.
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["reverie.prom"]
+
+
+def test_textfile_replaces_atomically_and_keeps_the_old_file_on_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = CollectorRegistry()
+    counter = Counter("dream_probe", "probe", registry=registry)
+    target = tmp_path / "reverie.prom"
+    write_textfile(target, registry)
+    counter.inc(3)
+    inode_before = target.stat().st_ino
+    write_textfile(target, registry)
+    assert "dream_probe_total 3.0" in target.read_text("utf-8")
+    # A new inode: the file was renamed over, never rewritten where a reader could see it half-done.
+    assert target.stat().st_ino != inode_before
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    counter.inc()
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="No space"):
+        write_textfile(target, registry)
+    assert "dream_probe_total 3.0" in target.read_text("utf-8")
+    assert [p.name for p in tmp_path.iterdir()] == ["reverie.prom"]
