@@ -1,0 +1,126 @@
+"""reverie erase-user: no table holds a row about the user afterwards (real PostgreSQL)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+from store import signals as signal_store
+from store.db import session_scope
+from store.erase import rows_about
+from store.memories import remove_entries, table_for
+from store.models import Run, Signal, Spend
+from tasks import session_end
+from tasks.activity import detect_routines
+from tasks.erase import erase_user
+from tasks.signals import HANDLERS, Handler, process_claimed, process_pending
+from worker.cli import app
+from worker.producer import enqueue_signal
+from worker.settings import Settings, get_settings
+
+
+def said(text: str, conversation: str = "c1") -> dict[str, Any]:
+    return {"conversation_id": conversation, "agent_id": "a", "messages": [{"role": "user", "content": text}]}
+
+
+LONG = "Thanks for asking. " + "The report covers revenue, costs and the outlook for every region we track. " * 3
+
+
+def populate(settings: Settings, user: str) -> None:
+    enqueue_signal("session_end", user, said("My favorite color is blue"), settings=settings)
+    enqueue_signal("session_end", user, said("My favorite color is red", "c2"), settings=settings)
+    enqueue_signal("feedback", user, {"deliverable_id": "d", "original": LONG, "edited": "Short."}, settings=settings)
+    enqueue_signal("activity", user, {"events": [{"action": "x", "at": "2024-05-06T09:00:00Z"}]}, settings=settings)
+    process_pending(settings)
+    detect_routines(settings)
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        run = Run(user_id=user)
+        session.add(run)
+        session.flush()
+        session.add(Spend(scope="run", scope_key=f"{run.id}/abc", limit_nano=10))
+        remove_entries(session, table, table.c.user_id == user, reason="prune", source="prune", run_id=run.id)
+        session.execute(table.insert().values(id=f"{user}-left", user_id=user, key="k", value="v"))
+
+
+def test_no_table_holds_a_row_about_the_user(pg_settings: Settings) -> None:
+    populate(pg_settings, "ann")
+    populate(pg_settings, "ben")
+    with session_scope(pg_settings) as session:
+        before = rows_about(session, pg_settings, "ann")
+    assert sum(before.values()) > 10
+    counts = erase_user(pg_settings, "ann")
+    assert counts["dream_spend"] == 1
+    with session_scope(pg_settings) as session:
+        assert set(rows_about(session, pg_settings, "ann").values()) == {0}
+        assert rows_about(session, pg_settings, "ben") == {k: v for k, v in before.items()}
+        assert session.scalars(select(Spend)).all() != []
+
+
+def test_signals_after_the_erasure_are_processed(pg_settings: Settings) -> None:
+    enqueue_signal("session_end", "ann", said("My favorite color is blue"), settings=pg_settings)
+    erase_user(pg_settings, "ann")
+    enqueue_signal("session_end", "ann", said("My favorite color is green", "c9"), settings=pg_settings)
+    assert process_pending(pg_settings).processed == 1
+    table = table_for(pg_settings)
+    with session_scope(pg_settings) as session:
+        assert [r.value for r in session.execute(select(table))] == ["green"]
+
+
+def test_signal_claimed_before_the_erasure_writes_nothing(pg_settings: Settings) -> None:
+    enqueue_signal("session_end", "ann", said("My favorite color is blue"), settings=pg_settings)
+    with session_scope(pg_settings) as session:
+        [claim] = signal_store.claim_signals(session, lease_seconds=60, limit=1)
+    erase_user(pg_settings, "ann")
+    assert process_claimed(pg_settings, claim).outcome == "skipped"
+    with session_scope(pg_settings) as session:
+        assert set(rows_about(session, pg_settings, "ann").values()) == {0}
+
+
+def test_erasure_waits_for_an_apply_in_flight_and_removes_its_writes(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    applying, release = threading.Event(), threading.Event()
+
+    def slow_apply(session: Any, settings: Settings, signal: Any, prepared: Any) -> Any:
+        effect = session_end.apply(session, settings, signal, prepared)
+        applying.set()
+        release.wait(10)
+        return effect
+
+    monkeypatch.setitem(HANDLERS, "session_end", Handler(session_end.prepare, slow_apply))
+    enqueue_signal("session_end", "ann", said("My favorite color is blue"), settings=pg_settings)
+    worker = threading.Thread(target=process_pending, args=(pg_settings,))
+    worker.start()
+    assert applying.wait(30)
+    eraser = threading.Thread(target=erase_user, args=(pg_settings, "ann"))
+    eraser.start()
+    time.sleep(0.3)
+    assert eraser.is_alive()  # blocked on the signal row the worker holds
+    release.set()
+    worker.join(30)
+    eraser.join(30)
+    with session_scope(pg_settings) as session:
+        assert set(rows_about(session, pg_settings, "ann").values()) == {0}
+        assert session.scalars(select(Signal)).all() == []
+
+
+def test_cli_erase_user(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    populate(pg_settings, "ann")
+    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, ["erase-user", "ann"])
+        assert result.exit_code == 0, result.output
+        assert "erased user ann: " in result.output
+        empty = CliRunner().invoke(app, ["erase-user", "ann", "--json"])
+        assert '"total": 0' in empty.output
+    finally:
+        get_settings.cache_clear()
+    with session_scope(pg_settings) as session:
+        assert set(rows_about(session, pg_settings, "ann").values()) == {0}
