@@ -105,9 +105,9 @@ def build_messages(rows: list[Any], target: int) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-def parse_reply(text: str, target: int) -> list[NewEntry]:
+def parse_reply(text: str, target: int | None = None) -> list[NewEntry]:
     """The model's items, defensively: fences stripped, items without key or value
-    dropped, keys cut to 100 characters and values to 1,000, at most ``target``."""
+    dropped, keys cut to 100 characters and values to 1,000 (at most ``target`` if given)."""
     body = text.strip()
     fenced = _FENCE.search(body)
     if fenced:
@@ -140,7 +140,7 @@ def parse_reply(text: str, target: int) -> list[NewEntry]:
         text_value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         items.append(NewEntry(key=key, value=text_value[:MAX_VALUE]))
         seen.add(key)
-    return items[:target]
+    return items if target is None else items[:target]
 
 
 def summarize_user(
@@ -187,10 +187,11 @@ def summarize_user(
             log.info("summarize_group_deferred", user=user_ref(user_id), reason=str(exc)[:200])
             continue
         counts.cost_usd += reply.cost_usd
-        items = parse_reply(reply.text, target)
+        items = parse_reply(reply.text)
         if not items or len(items) >= len(group):
             # Nothing usable, or no smaller than what it would replace: leave the group.
             continue
+        items = items[:target]
         with session_scope(settings) as session:
             new_ids = replace_group(session, table, group, items, run_id=run_id)
         if new_ids is None:

@@ -1,0 +1,166 @@
+"""Summarization: groups, the defensive reply parser, and the one-transaction replace."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from store.db import session_scope
+from store.models import ArchivedEntry
+from tasks.dream import dream_user
+from tasks.summarize import groups_of, parse_reply
+from tests.dream_seed import entries_of, entry, seed
+from worker import offline_model
+from worker.policy import book
+from worker.settings import Settings
+
+
+def _six(user: str = "u1", **kw: Any) -> list[dict[str, Any]]:
+    return [entry(user, f"note_{i}", f"fact number {i}", category="context", **kw) for i in range(6)]
+
+
+def _script(monkeypatch: pytest.MonkeyPatch, reply: str) -> None:
+    monkeypatch.setattr(offline_model, "answer", lambda purpose, task: reply)
+
+
+def test_six_entries_consolidated_to_two_in_one_transaction(store_settings: Settings) -> None:
+    originals = seed(store_settings, _six())
+    outcome = dream_user(store_settings, "u1")
+    assert (outcome.entries_summarized, outcome.entries_written) == (6, 2)
+    rows = list(entries_of(store_settings, "u1").values())
+    assert sorted(r["key"] for r in rows) == ["context_summary_1", "context_summary_2"]
+    assert {r["category"] for r in rows} == {"context"} and {r["source_agent_id"] for r in rows} == {"agent-a"}
+    with session_scope(store_settings) as session:
+        archived = session.scalars(select(ArchivedEntry)).all()
+    assert sorted(a.entry_id for a in archived) == sorted(o["id"] for o in originals)
+    assert outcome.cost_usd > 0
+
+
+def test_below_threshold_groups_untouched(pg_settings: Settings) -> None:
+    seed(pg_settings, _six()[:4])
+    assert dream_user(pg_settings, "u1").entries_summarized == 0
+    assert len(entries_of(pg_settings, "u1")) == 4
+
+
+@pytest.mark.parametrize(
+    "reply",
+    ["", "I cannot help with that", "[]", json.dumps([{"key": f"k{i}", "value": "v"} for i in range(6)])],
+    ids=["empty", "garbage", "no-items", "not-smaller"],
+)
+def test_unusable_replies_leave_the_group_untouched(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, reply: str
+) -> None:
+    originals = seed(pg_settings, _six())
+    _script(monkeypatch, reply)
+    outcome = dream_user(pg_settings, "u1")
+    assert outcome.status == "succeeded" and outcome.entries_summarized == 0
+    assert set(entries_of(pg_settings, "u1")) == {o["id"] for o in originals}
+
+
+def test_fenced_reply_is_parsed(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    seed(pg_settings, _six())
+    _script(monkeypatch, '```json\n[{"key": "trips", "value": "six trips"}]\n```')
+    assert dream_user(pg_settings, "u1").entries_written == 1
+    assert [r["value"] for r in entries_of(pg_settings, "u1").values()] == ["six trips"]
+
+
+def test_oversized_reply_is_cut_and_capped(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = pg_settings.model_copy(update={"llm_max_output_tokens": 16000})
+    seed(settings, _six())
+    items = [{"key": str(i) + "k" * 300, "value": "v" * 5000} for i in range(4)]
+    _script(monkeypatch, json.dumps([{"key": "no value"}, {"value": "no key"}, *items]))
+    outcome = dream_user(settings, "u1")
+    assert outcome.entries_written == 2
+    rows = list(entries_of(settings, "u1").values())
+    assert all(len(r["key"]) <= 100 and len(r["value"]) == 1000 for r in rows)
+
+
+def test_parse_reply_rules() -> None:
+    assert parse_reply('```\n[{"key": "a", "value": 1}]\n```', 2)[0].value == "1"
+    assert parse_reply('Sure! [{"key": "a", "value": "x"}] hope it helps', 2)[0].key == "a"
+    assert parse_reply('[{"key": "", "value": "x"}, {"key": "b", "value": ""}, 3]', 2) == []
+    assert parse_reply('[{"key": "_gdpr_x", "value": "x"}]', 2) == []
+    many = json.dumps([{"key": f"k{i}", "value": "v"} for i in range(9)])
+    assert len(parse_reply(many, 2)) == 2 and len(parse_reply(many)) == 9
+
+
+def test_summary_key_equal_to_an_original_key_survives(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    seed(pg_settings, _six())
+    _script(monkeypatch, json.dumps([{"key": "note_0", "value": "all six notes"}]))
+    dream_user(pg_settings, "u1")
+    assert [(r["key"], r["value"]) for r in entries_of(pg_settings, "u1").values()] == [("note_0", "all six notes")]
+
+
+def test_visibility_never_widened_and_agents_self_entries_never_mixed(pg_settings: Settings) -> None:
+    rows = [
+        *[entry("u1", f"a{i}", "x", category="context", agent="agent-a") for i in range(3)],
+        *[entry("u1", f"b{i}", "y", category="context", agent="agent-b") for i in range(3)],
+        *[entry("u1", f"g{i}", "z", category="context", agent="agent-a", visibility="global") for i in range(3)],
+    ]
+    seed(pg_settings, rows)
+    assert dream_user(pg_settings, "u1").entries_summarized == 0
+    seed(pg_settings, [entry("u1", f"a{i}", "x", category="context", agent="agent-a") for i in range(3, 6)])
+    assert dream_user(pg_settings, "u1").entries_summarized == 6
+    after = list(entries_of(pg_settings, "u1").values())
+    summaries = [r for r in after if r["key"].startswith("context_summary")]
+    assert {(r["visibility"], r["source_agent_id"]) for r in summaries} == {("self", "agent-a")}
+    # agent-b's self entries and agent-a's global ones are as they were.
+    assert sum(1 for r in after if r["source_agent_id"] == "agent-b") == 3
+    assert sum(1 for r in after if r["visibility"] == "global") == 3
+
+
+def test_group_ids_kept_and_group_audiences_never_mixed(pg_settings: Settings) -> None:
+    seed(
+        pg_settings,
+        [entry("u1", f"n{i}", "x", category="context", visibility="group", group_ids=["g1", "g2"]) for i in range(5)]
+        + [entry("u1", f"m{i}", "x", category="context", visibility="group", group_ids=["g3"]) for i in range(4)],
+    )
+    assert dream_user(pg_settings, "u1").entries_summarized == 5
+    summaries = [r for r in entries_of(pg_settings, "u1").values() if "summary" in r["key"]]
+    assert summaries and {tuple(r["group_ids"]) for r in summaries} == {("g1", "g2")}
+    assert {r["visibility"] for r in summaries} == {"group"}
+
+
+def test_null_category_is_treated_as_fact(pg_settings: Settings) -> None:
+    rows = [
+        SimpleNamespace(
+            key=f"k{i}",
+            value="v",
+            category=None if i % 2 else "fact",
+            visibility="self",
+            source_agent_id="a",
+            group_ids=[],
+            conflicted=False,
+        )
+        for i in range(5)
+    ]
+    groups = groups_of(rows, pg_settings, book(pg_settings, {}), None)
+    assert len(groups) == 1 and len(groups[0]) == 5
+
+
+def test_protected_and_conflicted_entries_are_not_summarized(pg_settings: Settings) -> None:
+    rows = [entry("u1", f"p{i}", "x", category="property") for i in range(6)]
+    rows += [entry("u1", "_gdpr_a", "x", category="context")]
+    seed(pg_settings, rows)
+    assert dream_user(pg_settings, "u1").entries_summarized == 0
+
+
+def test_changed_original_defers_the_group(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    originals = seed(pg_settings, _six())
+    from store.memories import table_for
+
+    table = table_for(pg_settings)
+
+    def app_writes_meanwhile(purpose: str, task: Any) -> str:
+        with session_scope(pg_settings) as session:
+            session.execute(table.update().where(table.c.id == originals[0]["id"]).values(value="changed"))
+        return json.dumps([{"key": "s", "value": "v"}])
+
+    monkeypatch.setattr(offline_model, "answer", app_writes_meanwhile)
+    outcome = dream_user(pg_settings, "u1")
+    assert outcome.entries_summarized == 0 and outcome.groups_deferred == 1
+    assert len(entries_of(pg_settings, "u1")) == 6
