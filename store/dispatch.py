@@ -178,10 +178,10 @@ def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime) ->
     return len(session.execute(statement).all())
 
 
-def stranded_signal_ids(session: Session, *, at: datetime, grace_seconds: float, limit: int) -> list[int]:
-    """Signals that should be moving and may have no wake-up in the broker, oldest first:
-    ready (``pending``, or ``failed`` and past its backoff) for longer than the grace,
-    or ``processing`` with an expired lease (the worker died)."""
+def stranded_signals(session: Session, *, at: datetime, grace_seconds: float, limit: int) -> list[tuple[int, datetime]]:
+    """(id, since) of signals that should be moving and may have no wake-up in the
+    broker, oldest first: ready (``pending``, or ``failed`` and past its backoff) since
+    longer than the grace, or ``processing`` with a lease that expired (the worker died)."""
     ready = (
         select(Signal.id, Signal.available_at.label("since"))
         .where(Signal.status.in_(("pending", "failed")), Signal.available_at <= at - timedelta(seconds=grace_seconds))
@@ -196,4 +196,5 @@ def stranded_signal_ids(session: Session, *, at: datetime, grace_seconds: float,
     )
     # Each branch is wrapped: SQLite allows no LIMIT inside a bare UNION member.
     both = union(select(ready.subquery()), select(expired.subquery())).subquery()
-    return list(session.scalars(select(both.c.id).order_by(both.c.since).limit(limit)))
+    rows = session.execute(select(both.c.id, both.c.since).order_by(both.c.since, both.c.id).limit(limit))
+    return [(row.id, row.since) for row in rows]

@@ -30,7 +30,10 @@ def _signal(settings: Settings, user: str, **values: object) -> int:
 
 def _stranded(settings: Settings, at: datetime, *, grace: float = 60, limit: int = 100) -> list[int]:
     with session_scope(settings) as session:
-        return dispatch_store.stranded_signal_ids(session, at=at, grace_seconds=grace, limit=limit)
+        return [
+            signal_id
+            for signal_id, _since in dispatch_store.stranded_signals(session, at=at, grace_seconds=grace, limit=limit)
+        ]
 
 
 def test_finds_the_signals_that_are_not_moving_oldest_first(store_settings: Settings) -> None:
@@ -68,8 +71,40 @@ def test_sweep_sends_one_wake_up_per_stranded_signal(make_settings: object) -> N
         sent.append(signal_ids)
         return len(signal_ids)
 
-    assert sweeper.sweep(settings, send, at=at) == 2
+    assert sweeper.sweep(settings, send, lambda: 0, at=at) == 2
     assert sent == [[first, second]]
+
+
+def test_a_backlog_already_in_the_queue_is_not_flooded_with_copies(make_settings: object) -> None:
+    settings: Settings = make_settings(sweep_grace_seconds=0, signal_lease_seconds=300)  # type: ignore[operator]
+    at = now()
+    ids = [_signal(settings, f"u{i}", available_at=at - timedelta(seconds=60 - i)) for i in range(10)]
+    sent: list[int] = []
+
+    def send(signal_ids: list[int]) -> int:
+        sent.extend(signal_ids)
+        return len(signal_ids)
+
+    # Ten stranded rows, ten messages waiting: they may all be covered.
+    assert sweeper.sweep(settings, send, lambda: 10, at=at) == 0
+    # Seven waiting: the three oldest get a wake-up now, the rest once the queue drains.
+    assert sweeper.sweep(settings, send, lambda: 7, at=at) == 3
+    assert sent == ids[:3]
+
+
+def test_a_row_stranded_longer_than_a_lease_is_sent_even_behind_a_queue(make_settings: object) -> None:
+    settings: Settings = make_settings(sweep_grace_seconds=0, signal_lease_seconds=300)  # type: ignore[operator]
+    at = now()
+    lost = _signal(settings, "lost", available_at=at - timedelta(minutes=20))
+    _signal(settings, "recent", available_at=at - timedelta(seconds=30))
+    sent: list[int] = []
+
+    def send(signal_ids: list[int]) -> int:
+        sent.extend(signal_ids)
+        return len(signal_ids)
+
+    assert sweeper.sweep(settings, send, lambda: 50, at=at) == 1
+    assert sent == [lost]
 
 
 def test_sweep_with_nothing_stranded_sends_nothing(pg_settings: Settings) -> None:
@@ -78,7 +113,10 @@ def test_sweep_with_nothing_stranded_sends_nothing(pg_settings: Settings) -> Non
     def send(_ids: list[int]) -> int:
         raise AssertionError("nothing to send")
 
-    assert sweeper.sweep(pg_settings, send) == 0
+    def queued() -> int:
+        raise AssertionError("the broker is not asked when nothing is stranded")
+
+    assert sweeper.sweep(pg_settings, send, queued) == 0
 
 
 def test_a_signal_inserted_by_plain_sql_is_found_after_the_grace(pg_settings: Settings) -> None:

@@ -23,12 +23,12 @@ from schedules import dispatcher, sweeper
 from tasks.activity import detect_routines
 from tasks.dream import dream_user
 from tasks.signals import process_signal
-from worker.app import app
+from worker.app import SIGNALS_QUEUE, app
 from worker.errors import BrokerUnavailable, DatabaseUnavailable, TransientError
 from worker.logs import get_logger
 from worker.metrics_server import refresh_pending_gauge
 from worker.settings import get_settings
-from worker.wakeup import send_user_runs, wake_signals
+from worker.wakeup import queue_depth, send_user_runs, wake_signals
 
 log = get_logger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -98,13 +98,14 @@ def sweep() -> int:
     settings = get_settings()
 
     def send(signal_ids: list[int]) -> int:
-        try:
-            return wake_signals(settings, signal_ids)
-        except BrokerUnavailable as exc:
-            log.warning("sweep.broker_unavailable", sent=exc.sent, error=exc.reason)
-            return exc.sent
+        return wake_signals(settings, signal_ids)
 
-    return sweeper.sweep(settings, send)
+    try:
+        return sweeper.sweep(settings, send, lambda: queue_depth(settings, SIGNALS_QUEUE))
+    except BrokerUnavailable as exc:
+        # The next sweep tries again; the rows wait in PostgreSQL meanwhile.
+        log.warning("sweep.broker_unavailable", sent=exc.sent, error=exc.reason)
+        return exc.sent
 
 
 @task("schedules.adopt", soft_time_limit=1700, time_limit=1800)

@@ -67,6 +67,22 @@ def publish(settings: Settings, task_name: str, args_list: Sequence[list[Any]]) 
     return sent
 
 
+def queue_depth(settings: Settings, queue: str) -> int:
+    """Messages waiting (not yet taken by a worker) in ``queue``. Raises
+    :class:`BrokerUnavailable`."""
+    if not settings.broker_url:
+        return 0
+    from kombu.exceptions import KombuError
+
+    celery = _app_for(settings)
+    try:
+        with celery.connection_for_read() as connection:
+            connection.ensure_connection(max_retries=0)
+            return int(connection.default_channel.queue_declare(queue=queue).message_count)
+    except (KombuError, OSError) as exc:
+        raise BrokerUnavailable(_first_line(exc)) from exc
+
+
 def wake_signal(settings: Settings, signal_id: int) -> bool:
     """The producer's wake-up, called after the signal's row is committed.
 
