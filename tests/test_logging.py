@@ -44,6 +44,10 @@ def lines(stream: io.StringIO) -> list[dict[str, Any]]:
 class FakeTask:
     name = "signals.process"
 
+    @staticmethod
+    def run(signal_id: int) -> str:
+        return "done"
+
 
 def test_session_end_with_secret_and_email_leaks_neither(pg_settings: Settings, captured: io.StringIO) -> None:
     from tasks.signals import process_signal
@@ -53,7 +57,7 @@ def test_session_end_with_secret_and_email_leaks_neither(pg_settings: Settings, 
     signal_id = enqueue_signal("session_end", USER, payload, settings=pg_settings).signal_id
 
     # The task boundary, as Celery drives it: prerun binds context, postrun clears it.
-    signals.task_prerun.send(sender=FakeTask, task_id="t-123", task=FakeTask, args=(), kwargs={"signal_id": signal_id})
+    signals.task_prerun.send(sender=FakeTask, task_id="t-123", task=FakeTask, args=(signal_id,), kwargs={})
     outcome = process_signal(pg_settings, signal_id)
     # What the real processing wrote: not even the extracted memory value is in it.
     assert "teal" not in captured.getvalue()
@@ -93,15 +97,26 @@ def test_session_end_with_secret_and_email_leaks_neither(pg_settings: Settings, 
     # litellm stays at WARNING: its request line (the prompt) is not written at all.
     assert not any(r["logger"] == "LiteLLM" for r in records)
     assert not any(r["logger"].startswith("sqlalchemy.engine") for r in records)
+    # The positional signal id is bound for every line of the task, down to its end.
+    finished = next(r for r in records if r["event"] == "task finished")
+    assert (finished["signal_id"], finished["state"], finished["task_id"]) == (signal_id, "SUCCESS", "t-123")
     # Context is cleared when the task ends.
     after = next(r for r in records if r["event"] == "after the task")
     assert "task_id" not in after and "signal_id" not in after
 
 
+class FakeRunTask:
+    name = "dream.run_user"
+
+    @staticmethod
+    def run(user_id: str = "", run_id: int | None = None) -> str:
+        return "ok"
+
+
 def test_failed_task_is_logged_by_type_without_its_message(captured: io.StringIO) -> None:
-    signals.task_prerun.send(sender=FakeTask, task_id="t-9", task=FakeTask, args=(), kwargs={"run_id": 77})
-    signals.task_failure.send(sender=FakeTask, task_id="t-9", exception=KeyError(f"row {EMAIL}"))
-    signals.task_postrun.send(sender=FakeTask, task_id="t-9", task=FakeTask, state="FAILURE")
+    signals.task_prerun.send(sender=FakeRunTask, task_id="t-9", task=FakeRunTask, args=(), kwargs={"run_id": 77})
+    signals.task_failure.send(sender=FakeRunTask, task_id="t-9", exception=KeyError(f"row {EMAIL}"))
+    signals.task_postrun.send(sender=FakeRunTask, task_id="t-9", task=FakeRunTask, state="FAILURE")
 
     records = lines(captured)
     failed = next(r for r in records if r["event"] == "task failed")

@@ -15,6 +15,7 @@ The periodic ``dream_signals_pending`` refresh is :func:`refresh_pending_gauge`.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import time
@@ -71,6 +72,8 @@ def _celeryd_init(conf: Any = None, **_: Any) -> None:
 def _worker_init(**_: Any) -> None:
     global _server  # noqa: PLW0603 - one endpoint per worker parent
     settings = get_settings()
+    # worker_init comes before Celery's setup_logging; these first lines need the format too.
+    configure_logging(settings)
     directory = metrics_server.multiprocess_dir()
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -106,11 +109,23 @@ def _worker_process_shutdown(pid: int | None = None, **_: Any) -> None:
     metrics_server.mark_dead(pid if pid is not None else os.getpid())
 
 
-def _task_prerun(task_id: str | None = None, task: Any = None, kwargs: Any = None, **_: Any) -> None:
+def _named_arguments(task: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+    # Tasks take ids positionally (`signals.process(signal_id)`); name them by signature.
+    run = getattr(task, "run", None)
+    try:
+        bound = inspect.signature(run).bind_partial(*(args or ()), **(kwargs or {})) if run else None
+    except (TypeError, ValueError):
+        bound = None
+    if bound is not None:
+        return dict(bound.arguments)
+    return dict(kwargs) if isinstance(kwargs, dict) else {}
+
+
+def _task_prerun(task_id: str | None = None, task: Any = None, args: Any = None, kwargs: Any = None, **_: Any) -> None:
     structlog.contextvars.clear_contextvars()
     context: dict[str, Any] = {"task_id": task_id, "task_name": getattr(task, "name", None)}
-    if isinstance(kwargs, dict):
-        context.update({key: kwargs[key] for key in _CONTEXT_KWARGS if isinstance(kwargs.get(key), int | str)})
+    arguments = _named_arguments(task, args, kwargs)
+    context.update({key: arguments[key] for key in _CONTEXT_KWARGS if isinstance(arguments.get(key), int | str)})
     structlog.contextvars.bind_contextvars(**{k: v for k, v in context.items() if v is not None})
     if task_id is not None:
         _started[task_id] = time.monotonic()
