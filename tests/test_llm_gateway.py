@@ -1,0 +1,92 @@
+"""The LLM gateway: offline model through litellm, pricing, failures, metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import select
+
+from store.db import session_scope
+from store.models import Run
+from tasks.dream import dream_user
+from tests.dream_seed import entries_of, entry, seed
+from worker import budget, llm, offline_model
+from worker.errors import PermanentError, TransientError
+from worker.settings import Settings
+
+MESSAGES = [
+    {"role": "system", "content": "[reverie:summarize]\nbe brief"},
+    {"role": "user", "content": 'INPUT:\n{"category": "fact", "target": 1, "entries": [{"key": "a", "value": "b"}]}'},
+]
+
+
+def _raise(exc: Exception) -> Any:
+    def answer(purpose: str, task: Any) -> str:
+        raise exc
+
+    return answer
+
+
+def _litellm_error(name: str, **extra: Any) -> Exception:
+    litellm = llm._load()
+    cls = getattr(litellm.exceptions, name)
+    return cls(message="scripted", llm_provider=offline_model.PROVIDER, model="offline", **extra)  # type: ignore[no-any-return]
+
+
+def test_offline_call_reports_usage_and_settles_its_price(pg_settings: Settings) -> None:
+    settings = pg_settings.model_copy(update={"llm_input_cost_per_token": 1e-6, "llm_output_cost_per_token": 3e-6})
+    before = REGISTRY.get_sample_value("dream_llm_requests_total", {"model": "offline", "outcome": "ok"}) or 0
+    reply = llm.complete(settings, purpose="summarize", messages=MESSAGES, max_tokens=200)
+    assert reply.text.startswith("[") and reply.input_tokens > 0 and reply.output_tokens > 0
+    assert reply.cost_usd == pytest.approx(reply.input_tokens * 1e-6 + reply.output_tokens * 3e-6)
+    assert budget.day_spent_nano(settings) == round(reply.cost_usd * 1e9)
+    assert REGISTRY.get_sample_value("dream_llm_requests_total", {"model": "offline", "outcome": "ok"}) == before + 1
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("Timeout", {}), ("RateLimitError", {}), ("ServiceUnavailableError", {}), ("InternalServerError", {})],
+)
+def test_transient_failures(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, name: str, extra: Any) -> None:
+    monkeypatch.setattr(offline_model, "answer", _raise(_litellm_error(name, **extra)))
+    with pytest.raises(TransientError):
+        llm.complete(pg_settings, purpose="summarize", messages=MESSAGES, max_tokens=50)
+
+
+@pytest.mark.parametrize("name", ["AuthenticationError", "NotFoundError"])
+def test_permanent_failures(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch.setattr(offline_model, "answer", _raise(_litellm_error(name)))
+    with pytest.raises(PermanentError):
+        llm.complete(pg_settings, purpose="summarize", messages=MESSAGES, max_tokens=50)
+    assert budget.day_spent_nano(pg_settings) == 0
+
+
+def test_unpriced_model_is_permanent(pg_settings: Settings) -> None:
+    settings = pg_settings.model_copy(update={"llm_model": "no-such-provider/unpriced-model"})
+    with pytest.raises(PermanentError, match="no price"):
+        llm.complete(settings, purpose="summarize", messages=MESSAGES, max_tokens=50)
+
+
+def test_transient_failure_defers_the_group(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    seed(pg_settings, [entry("u1", f"n{i}", "x", category="context") for i in range(6)])
+    monkeypatch.setattr(offline_model, "answer", _raise(_litellm_error("RateLimitError")))
+    outcome = dream_user(pg_settings, "u1")
+    assert (outcome.status, outcome.groups_deferred, outcome.entries_summarized) == ("succeeded", 1, 0)
+    assert len(entries_of(pg_settings, "u1")) == 6
+    monkeypatch.undo()
+    assert dream_user(pg_settings, "u1").entries_summarized == 6
+
+
+def test_permanent_failure_fails_the_run_with_reason_and_no_partial_write(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(pg_settings, [entry("u1", f"n{i}", "x", category="context") for i in range(6)])
+    monkeypatch.setattr(offline_model, "answer", _raise(_litellm_error("AuthenticationError")))
+    outcome = dream_user(pg_settings, "u1")
+    assert outcome.status == "failed" and "AuthenticationError" in (outcome.error or "")
+    assert len(entries_of(pg_settings, "u1")) == 6
+    with session_scope(pg_settings) as session:
+        run = session.scalars(select(Run)).one()
+    assert run.status == "failed" and "AuthenticationError" in (run.error or "") and run.finished_at is not None
