@@ -185,10 +185,13 @@ def claim_signals(
         candidates = candidates.where(Signal.attempts < max_attempts)
     if session.get_bind().dialect.name == "postgresql":
         candidates = candidates.with_for_update(skip_locked=True)
+    # A CTE, not a subquery: a subquery on the same table would be correlated with the
+    # UPDATE's rows and its LIMIT and SKIP LOCKED would apply per row.
+    ready = candidates.cte("ready")
     statement = (
         update(Signal)
         # Re-checked on the locked row: another worker may have claimed it meanwhile.
-        .where(Signal.id.in_(candidates.scalar_subquery()), _claimable(at))
+        .where(Signal.id.in_(select(ready.c.id)), _claimable(at))
         .values(
             status="processing",
             attempts=Signal.attempts + 1,
