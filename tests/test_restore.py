@@ -1,0 +1,60 @@
+"""``reverie restore --run``: every archived row comes back unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from store.archive import restore_run
+from store.db import session_scope
+from store.memories import table_for
+from tasks.dream import dream_user
+from tests.dream_seed import entries_of, entry, seed
+from worker.errors import NotFound
+from worker.settings import Settings
+
+
+def test_restore_returns_every_archived_row_unchanged(store_settings: Settings) -> None:
+    settings = store_settings.model_copy(update={"contradiction_resolution": "keep_newest"})
+    rows = [
+        entry("u1", "stale", {"nested": [1, 2]}, age_days=300, access_count=0, group_ids=["g1"]),
+        entry("u1", "city", "Berlin", agent="a", age_days=10),
+        entry("u1", "City", "Paris", agent="b", age_days=1),
+        *[
+            entry("u1", f"n{i}", f"note {i}", category="context", visibility="group", group_ids=["g2"])
+            for i in range(5)
+        ],
+    ]
+    seed(settings, rows)
+    before = entries_of(settings, "u1")
+    outcome = dream_user(settings, "u1")
+    assert (outcome.entries_pruned, outcome.contradictions_resolved, outcome.entries_summarized) == (1, 1, 5)
+    assert outcome.run_id is not None
+
+    with session_scope(settings) as session:
+        result = restore_run(session, table_for(settings), outcome.run_id)
+    assert (result.restored, result.conflicts, result.removed_inserts) == (7, 0, 2)
+    after = entries_of(settings, "u1")
+    # conflicted is the only column the run changed on a row it kept.
+    assert {k: {**v, "conflicted": None} for k, v in after.items()} == {
+        k: {**v, "conflicted": None} for k, v in before.items()
+    }
+    with session_scope(settings) as session:
+        again = restore_run(session, table_for(settings), outcome.run_id)
+    assert again.restored == 0
+
+
+def test_restore_of_an_unknown_run(pg_settings: Settings) -> None:
+    with session_scope(pg_settings) as session, pytest.raises(NotFound):
+        restore_run(session, table_for(pg_settings), 424242)
+
+
+def test_restore_leaves_a_row_whose_key_was_taken_again(pg_settings: Settings) -> None:
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    seed(settings, [entry("u1", "hotel", "Ibis", age_days=300)])
+    run_id = dream_user(settings, "u1").run_id
+    assert run_id is not None
+    seed(settings, [entry("u1", "hotel", "Hilton")])
+    with session_scope(settings) as session:
+        result = restore_run(session, table_for(settings), run_id)
+    assert (result.restored, result.conflicts) == (0, 1)
+    assert [r["value"] for r in entries_of(settings, "u1").values()] == ["Hilton"]
