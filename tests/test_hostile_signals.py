@@ -132,7 +132,8 @@ def corpus() -> list[Case]:
                 add(f"{kind}.{field}={value!r}", kind, body, expect="either" if harmless else "rejected")
     for role in ["robot", "", "USER", 1, None]:
         add(f"role {role!r}", "session_end", {"conversation_id": "c", "messages": [{"role": role, "content": "hi"}]})
-    for content in [1, None, [], {}, True]:
+    contents: list[Any] = [1, None, [], {}, True]
+    for content in contents:
         add(
             f"content {content!r}",
             "session_end",

@@ -151,7 +151,7 @@ PAYLOADS = st.one_of(
     payload=PAYLOADS,
 )
 def test_validator_never_crashes(kind: str, user: Any, payload: Any) -> None:
-    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    settings = Settings(_env_file=None)
     try:
         validate_signal(kind, user, payload, settings)
     except InvalidSignal as exc:

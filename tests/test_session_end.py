@@ -39,7 +39,7 @@ def memories(settings: Settings, user: str | None = None) -> list[Any]:
         return list(session.execute(query).all())
 
 
-def script(monkeypatch: pytest.MonkeyPatch, items: list[dict[str, Any]] | str) -> None:
+def script(monkeypatch: pytest.MonkeyPatch, items: list[Any] | str) -> None:
     """Make the offline model answer ``extract_facts`` with ``items``."""
     reply = items if isinstance(items, str) else json.dumps(items)
     monkeypatch.setattr(offline_model, "answer", lambda purpose, task: reply)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 
 from store import signals as signal_store
 from store.db import session_scope
@@ -235,7 +235,7 @@ def test_apply_checks_the_row_still_exists(pg_settings: Settings, monkeypatch: p
     def prepare_then_vanish(settings: Settings, signal: Any) -> Any:
         prepared = real_prepare(settings, signal)
         with session_scope(settings) as session:
-            session.execute(Signal.__table__.delete().where(Signal.id == sid))
+            session.execute(delete(Signal).where(Signal.id == sid))
         return prepared
 
     monkeypatch.setitem(HANDLERS, "session_end", Handler(prepare_then_vanish, session_end.apply))
