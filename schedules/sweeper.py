@@ -7,17 +7,17 @@ sweeper finds those rows (oldest first, at most ``sweep_max_signals`` per sweep)
 sends them fresh ``signals.process`` messages.
 
 A stranded row may still have a wake-up waiting in a long queue, and the sweeper cannot
-tell which. So it sends no more wake-ups than there are stranded rows beyond the
-messages already queued, oldest rows first (plus any row stranded longer than a
-signal lease): a backlog is never flooded with copies, and once the queue drains every
-stranded row gets its wake-up. A copy that does go out
-is harmless: processing claims the row first, so the second message finds nothing to do.
+tell which; so it sends each stranded row at most one wake-up per signal lease
+(``signal_lease_seconds``, remembered in the broker). A backlog is never flooded with
+copies, and no lost signal waits longer than a lease for its next wake-up. A copy that
+does go out is harmless: processing claims the row first, so the second message finds
+nothing to do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from store import dispatch as dispatch_store
 from store.db import session_scope
@@ -27,8 +27,8 @@ from worker.settings import Settings
 
 #: Sends wake-ups for signal ids; returns how many the broker accepted.
 SendWakeups = Callable[[list[int]], int]
-#: How many signal wake-ups are waiting in the broker's queue.
-QueueDepth = Callable[[], int]
+#: Keeps the ids that got no wake-up from the sweeper within a window (and marks them).
+NotResent = Callable[[list[int], int], list[int]]
 
 log = get_logger(__name__)
 
@@ -41,18 +41,12 @@ def stranded(settings: Settings, *, at: datetime) -> list[tuple[int, datetime]]:
         )
 
 
-def sweep(settings: Settings, send: SendWakeups, queued: QueueDepth, *, at: datetime | None = None) -> int:
+def sweep(settings: Settings, send: SendWakeups, not_resent: NotResent, *, at: datetime | None = None) -> int:
     """One sweep: returns the number of wake-ups sent."""
-    at = at or now()
-    rows = stranded(settings, at=at)
+    rows = stranded(settings, at=at or now())
     if not rows:
         return 0
-    waiting = queued()
-    # Rows stranded longer than a lease are sent regardless: a queue that never quite
-    # drains must not starve a signal whose wake-up was lost.
-    overdue = at - timedelta(seconds=settings.signal_lease_seconds)
-    keep = max(len(rows) - waiting, 0)
-    missing = [signal_id for index, (signal_id, since) in enumerate(rows) if index < keep or since <= overdue]
-    sent = send(missing) if missing else 0
-    log.info("sweep.resent", stranded=len(rows), queued=waiting, sent=sent)
+    due = not_resent([signal_id for signal_id, _since in rows], settings.signal_lease_seconds)
+    sent = send(due) if due else 0
+    log.info("sweep.resent", stranded=len(rows), sent=sent)
     return sent

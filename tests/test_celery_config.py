@@ -49,6 +49,8 @@ def test_delivery_is_at_least_once_and_nothing_waits_on_a_result() -> None:
     assert conf.worker_send_task_events is True
     assert conf.task_send_sent_event is True
     assert {queue.name for queue in conf.task_queues} == set(QUEUES)
+    # Distinct bindings: a message routed to one queue is delivered to that queue only.
+    assert {(queue.exchange.name, queue.routing_key) for queue in conf.task_queues} == {(q, q) for q in QUEUES}
 
 
 def test_broker_comes_from_the_settings(redis_url: str) -> None:

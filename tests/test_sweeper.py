@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta
 
+import redis as redis_lib
 from sqlalchemy import select, update
 
 from schedules import sweeper
@@ -14,6 +15,7 @@ from store.db import session_scope
 from store.models import Signal
 from store.seed import insert_raw_signal
 from store.types import now
+from worker import wakeup
 from worker.settings import Settings
 
 PAYLOAD = json.dumps({"agent_id": "a", "events": [{"action": "digest", "at": "2025-01-06T09:00:00"}]})
@@ -60,6 +62,10 @@ def test_a_sweep_is_bounded_and_takes_the_oldest(store_settings: Settings) -> No
     assert _stranded(store_settings, at, limit=5) == ids[:5]
 
 
+def _all(ids: list[int], _window: int) -> list[int]:
+    return ids
+
+
 def test_sweep_sends_one_wake_up_per_stranded_signal(make_settings: object) -> None:
     settings: Settings = make_settings(sweep_grace_seconds=0)  # type: ignore[operator]
     at = now()
@@ -71,40 +77,34 @@ def test_sweep_sends_one_wake_up_per_stranded_signal(make_settings: object) -> N
         sent.append(signal_ids)
         return len(signal_ids)
 
-    assert sweeper.sweep(settings, send, lambda: 0, at=at) == 2
+    assert sweeper.sweep(settings, send, _all, at=at) == 2
     assert sent == [[first, second]]
 
 
-def test_a_backlog_already_in_the_queue_is_not_flooded_with_copies(make_settings: object) -> None:
-    settings: Settings = make_settings(sweep_grace_seconds=0, signal_lease_seconds=300)  # type: ignore[operator]
+def test_each_stranded_signal_gets_one_wake_up_per_lease(make_settings: object, redis_url: str) -> None:
+    settings: Settings = make_settings(  # type: ignore[operator]
+        sweep_grace_seconds=0, signal_lease_seconds=300, broker_url=redis_url
+    )
     at = now()
-    ids = [_signal(settings, f"u{i}", available_at=at - timedelta(seconds=60 - i)) for i in range(10)]
+    ids = [_signal(settings, f"u{i}", available_at=at - timedelta(seconds=60 - i)) for i in range(3)]
     sent: list[int] = []
 
     def send(signal_ids: list[int]) -> int:
         sent.extend(signal_ids)
         return len(signal_ids)
 
-    # Ten stranded rows, ten messages waiting: they may all be covered.
-    assert sweeper.sweep(settings, send, lambda: 10, at=at) == 0
-    # Seven waiting: the three oldest get a wake-up now, the rest once the queue drains.
-    assert sweeper.sweep(settings, send, lambda: 7, at=at) == 3
-    assert sent == ids[:3]
+    def not_resent(signal_ids: list[int], window: int) -> list[int]:
+        return wakeup.not_resent_within(settings, signal_ids, window)
 
-
-def test_a_row_stranded_longer_than_a_lease_is_sent_even_behind_a_queue(make_settings: object) -> None:
-    settings: Settings = make_settings(sweep_grace_seconds=0, signal_lease_seconds=300)  # type: ignore[operator]
-    at = now()
-    lost = _signal(settings, "lost", available_at=at - timedelta(minutes=20))
-    _signal(settings, "recent", available_at=at - timedelta(seconds=30))
-    sent: list[int] = []
-
-    def send(signal_ids: list[int]) -> int:
-        sent.extend(signal_ids)
-        return len(signal_ids)
-
-    assert sweeper.sweep(settings, send, lambda: 50, at=at) == 1
-    assert sent == [lost]
+    assert sweeper.sweep(settings, send, not_resent, at=at) == 3
+    # The queue may still hold those wake-ups: a second sweep in the window adds no copies.
+    assert sweeper.sweep(settings, send, not_resent, at=at) == 0
+    late = _signal(settings, "late", available_at=at - timedelta(seconds=1))
+    assert sweeper.sweep(settings, send, not_resent, at=at) == 1
+    assert sent == [*ids, late]
+    client = redis_lib.Redis.from_url(redis_url)
+    assert 0 < client.ttl(f"{wakeup.RESENT_KEY_PREFIX}{late}") <= 300
+    client.close()
 
 
 def test_sweep_with_nothing_stranded_sends_nothing(pg_settings: Settings) -> None:
@@ -113,10 +113,10 @@ def test_sweep_with_nothing_stranded_sends_nothing(pg_settings: Settings) -> Non
     def send(_ids: list[int]) -> int:
         raise AssertionError("nothing to send")
 
-    def queued() -> int:
+    def not_resent(_ids: list[int], _window: int) -> list[int]:
         raise AssertionError("the broker is not asked when nothing is stranded")
 
-    assert sweeper.sweep(pg_settings, send, queued) == 0
+    assert sweeper.sweep(pg_settings, send, not_resent) == 0
 
 
 def test_a_signal_inserted_by_plain_sql_is_found_after_the_grace(pg_settings: Settings) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery
 from celery.signals import worker_process_init
-from kombu.entity import Queue
+from kombu.entity import Exchange, Queue
 
 import worker.celery_hooks  # noqa: F401  (logging context, metrics, task events)
 from schedules.beat import beat_schedule
@@ -71,7 +71,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Default limits for a task that declares none; each task in worker.jobs sets its own.
         "task_soft_time_limit": 240,
         "task_time_limit": 300,
-        "task_queues": [Queue(name) for name in QUEUES],  # type: ignore[no-untyped-call]
+        # Each queue on its own direct exchange and key: a message reaches one queue only.
+        "task_queues": [
+            Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+            for name in QUEUES
+        ],
         "task_default_queue": HOUSEKEEPING_QUEUE,
         "task_routes": ROUTES,
         "task_create_missing_queues": False,

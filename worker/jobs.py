@@ -23,12 +23,12 @@ from schedules import dispatcher, sweeper
 from tasks.activity import detect_routines
 from tasks.dream import dream_user
 from tasks.signals import process_signal
-from worker.app import SIGNALS_QUEUE, app
+from worker.app import app
 from worker.errors import BrokerUnavailable, DatabaseUnavailable, TransientError
 from worker.logs import get_logger
 from worker.metrics_server import refresh_pending_gauge
 from worker.settings import get_settings
-from worker.wakeup import queue_depth, send_user_runs, wake_signals
+from worker.wakeup import not_resent_within, send_user_runs, wake_signals
 
 log = get_logger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -101,7 +101,7 @@ def sweep() -> int:
         return wake_signals(settings, signal_ids)
 
     try:
-        return sweeper.sweep(settings, send, lambda: queue_depth(settings, SIGNALS_QUEUE))
+        return sweeper.sweep(settings, send, lambda ids, window: not_resent_within(settings, ids, window))
     except BrokerUnavailable as exc:
         # The next sweep tries again; the rows wait in PostgreSQL meanwhile.
         log.warning("sweep.broker_unavailable", sent=exc.sent, error=exc.reason)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 PROCESS_SIGNAL = "signals.process"
 RUN_USERS = "dream.run_users"
+RESENT_KEY_PREFIX = "reverie:resent:"
 
 #: After a failed send, the producer's wake-ups are skipped this long, so an absent
 #: broker costs one failed connect (and one warning) per window, not one per signal.
@@ -67,20 +68,26 @@ def publish(settings: Settings, task_name: str, args_list: Sequence[list[Any]]) 
     return sent
 
 
-def queue_depth(settings: Settings, queue: str) -> int:
-    """Messages waiting (not yet taken by a worker) in ``queue``. Raises
+def not_resent_within(settings: Settings, signal_ids: Sequence[int], seconds: int) -> list[int]:
+    """The ids among ``signal_ids`` that got no re-sent wake-up in the last ``seconds``,
+    marked as re-sent now (a key with that time to live in the broker's Redis), so the
+    sweeper sends each stranded signal at most one wake-up per window. Raises
     :class:`BrokerUnavailable`."""
-    if not settings.broker_url:
-        return 0
-    from kombu.exceptions import KombuError
+    if not settings.broker_url or not signal_ids:
+        return []
+    import redis
 
-    celery = _app_for(settings)
+    client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5)
     try:
-        with celery.connection_for_read() as connection:
-            connection.ensure_connection(max_retries=0)
-            return int(connection.default_channel.queue_declare(queue=queue).message_count)
-    except (KombuError, OSError) as exc:
+        with client.pipeline(transaction=False) as pipe:
+            for signal_id in signal_ids:
+                pipe.set(f"{RESENT_KEY_PREFIX}{signal_id}", 1, nx=True, ex=max(seconds, 1))
+            marked = pipe.execute()
+    except (redis.RedisError, OSError) as exc:
         raise BrokerUnavailable(_first_line(exc)) from exc
+    finally:
+        client.close()
+    return [signal_id for signal_id, fresh in zip(signal_ids, marked, strict=True) if fresh]
 
 
 def wake_signal(settings: Settings, signal_id: int) -> bool:
