@@ -15,9 +15,11 @@ from datetime import datetime, timedelta
 
 from store import locks, runs, schedule
 from store import policies as policy_store
+from store import spend as spend_store
 from store.db import session_scope
 from store.runs import RunCounts
-from store.types import nano_to_usd, now
+from store.spend import BudgetLine
+from store.types import nano_to_usd, now, usd_to_nano
 from tasks.contradictions import detect
 from tasks.prune import prune_user
 from tasks.summarize import SummaryCounts, summarize_user
@@ -72,16 +74,24 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
     """
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
+    at = now()
     with session_scope(settings) as session:
         if not locks.acquire(session, user_id, token, ttl):
             log.info("dream_skipped_busy", user=user_ref(user_id, settings.log_hash_key))
             return RunOutcome(
                 user_id=user_id, status="skipped", error=str(UserBusy(user_ref(user_id, settings.log_hash_key)))
             )
+        policies = book(settings, policy_store.all_configs(session))
+        scope = "user" if agent_id is None else f"agent:{agent_id}"[:32]
+        run_id = runs.start_run(session, user_id, scope=scope, trigger=trigger)
+        # The run's total budget: the largest maxCostPerRun among its policies (each
+        # agent's own cap is a line of its own, see worker.budget).
+        caps = [policies.default.maxCostPerRun, *(p.maxCostPerRun for p in policies.agents.values())]
+        spend_store.ensure_lines(session, [BudgetLine("run", budget.run_key(run_id), usd_to_nano(max(caps)))])
     started = time.monotonic()
-    outcome = RunOutcome(user_id=user_id, status="running")
+    outcome = RunOutcome(user_id=user_id, status="running", run_id=run_id)
     try:
-        _run(settings, user_id, token=token, ttl=ttl, trigger=trigger, agent_id=agent_id, outcome=outcome)
+        _run(settings, user_id, token=token, ttl=ttl, at=at, policies=policies, agent_id=agent_id, outcome=outcome)
     finally:
         with session_scope(settings) as session:
             locks.release(session, user_id, token)
@@ -95,39 +105,35 @@ def _run(
     *,
     token: str,
     ttl: timedelta,
-    trigger: str,
+    at: datetime,
+    policies: PolicyBook,
     agent_id: str | None,
     outcome: RunOutcome,
 ) -> None:
-    at = now()
-    with session_scope(settings) as session:
-        policies = book(settings, policy_store.all_configs(session))
-        scope = "user" if agent_id is None else f"agent:{agent_id}"[:32]
-        run_id = runs.start_run(session, user_id, scope=scope, trigger=trigger)
-    outcome.run_id = run_id
+    run_id = outcome.run_id
+    assert run_id is not None
     owners = _owners(policies, agent_id)
-    caps = [policies.default.maxCostPerRun, *(p.maxCostPerRun for p in policies.agents.values())]
-    budget.open_run(settings, run_id, max(caps))
 
     def keep_alive() -> None:
         with session_scope(settings) as s:
             locks.renew(s, user_id, token, ttl)
 
     try:
+        # Pruning and contradictions are set-based and quick: one transaction.
         with session_scope(settings) as session:
             outcome.entries_pruned = prune_user(
                 session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id
             )
-        with session_scope(settings) as session:
             found = detect(session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id)
         outcome.contradictions_found = found.found
         outcome.contradictions_resolved = found.resolved
-        summary: SummaryCounts = summarize_user(
-            settings, user_id, book=policies, owners=owners, run_id=run_id, keep_alive=keep_alive
-        )
-        outcome.entries_summarized = summary.summarized
-        outcome.entries_written = summary.written
-        outcome.groups_deferred = summary.deferred
+        if any(p.summarizes for p in (policies.default, *policies.agents.values())):
+            summary: SummaryCounts = summarize_user(
+                settings, user_id, book=policies, owners=owners, run_id=run_id, keep_alive=keep_alive
+            )
+            outcome.entries_summarized = summary.summarized
+            outcome.entries_written = summary.written
+            outcome.groups_deferred = summary.deferred
         outcome.status = "succeeded"
     except PermanentError as exc:
         outcome.status = "failed"
@@ -147,9 +153,9 @@ def _owners(policies: PolicyBook, agent_id: str | None) -> Collection[str] | Non
 
 
 def _finish(settings: Settings, user_id: str, run_id: int, started: datetime, outcome: RunOutcome) -> None:
-    cost_nano = budget.run_spent_nano(settings, run_id)
-    outcome.cost_usd = nano_to_usd(cost_nano)
     with session_scope(settings) as session:
+        cost_nano = spend_store.spent_nano(session, "run", budget.run_key(run_id))
+        outcome.cost_usd = nano_to_usd(cost_nano)
         runs.finish_run(
             session, run_id, status=outcome.status, counts=outcome.counts(), cost_nano=cost_nano, error=outcome.error
         )

@@ -59,7 +59,9 @@ def test_detection_off_when_disabled(pg_settings: Settings) -> None:
 
 def test_closed_when_values_agree_again(pg_settings: Settings) -> None:
     settings = _settings(pg_settings)
-    en, de = seed(settings, [entry("u1", "language", "English", agent="a"), entry("u1", "language", "German", agent="b")])
+    en, de = seed(
+        settings, [entry("u1", "language", "English", agent="a"), entry("u1", "language", "German", agent="b")]
+    )
     dream_user(settings, "u1")
     table = table_for(settings)
     with session_scope(settings) as session:

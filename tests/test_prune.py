@@ -87,7 +87,10 @@ def test_other_agents_untouched_unless_cross_agent_maintenance(pg_settings: Sett
     settings = _no_llm(pg_settings)
     seed(
         settings,
-        [entry("u1", "mine", "a", agent="agent-a", age_days=200), entry("u1", "theirs", "b", agent="agent-b", age_days=200)],
+        [
+            entry("u1", "mine", "a", agent="agent-a", age_days=200),
+            entry("u1", "theirs", "b", agent="agent-b", age_days=200),
+        ],
     )
     assert dream_user(settings, "u1", agent_id="agent-a").entries_pruned == 1
     assert keys_of(settings, "u1") == {"theirs"}
