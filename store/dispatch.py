@@ -26,10 +26,15 @@ from worker.settings import Settings
 EPOCH = datetime(1970, 1, 1)
 _HASH_SPACE = 2**32
 
-# The phase below is the first 32 bits of md5(user_id), the same in Python and SQL, so
-# a slot computed by either side agrees.
+# The phase is the first 32 bits of md5(user_id) as a fraction of the interval, the same
+# in Python (:func:`phase_seconds`) and SQL, so a slot computed by either side agrees.
+_PG_PHASE = "(('x' || substr(md5(s.user_id), 1, 8))::bit(32)::bigint / 4294967296.0) * :interval"
+
+# Both candidate scans walk an index in order and stop at the limit, skipping rows
+# another claim holds. The UPDATE then finds the claimed rows by primary key
+# (= ANY(ARRAY(...)) is an index scan), so no step reads users who are not due.
 _PG_CLAIM = text(
-    """
+    f"""
 WITH timed AS (
     SELECT user_id FROM dream_user_state
     WHERE next_dream_at <= :at
@@ -44,19 +49,12 @@ WITH timed AS (
     ORDER BY dirty_since
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
-), due AS (
-    SELECT user_id FROM timed UNION SELECT user_id FROM dirty LIMIT :limit
-), phased AS (
-    SELECT user_id,
-           (('x' || substr(md5(user_id), 1, 8))::bit(32)::bigint / 4294967296.0) * :interval AS phase
-    FROM due
 )
 UPDATE dream_user_state AS s
 SET next_dream_at = TIMESTAMP '1970-01-01'
-        + make_interval(secs => ceil((:base - p.phase) / :interval) * :interval + p.phase),
+        + make_interval(secs => ceil((:base - {_PG_PHASE}) / :interval) * :interval + {_PG_PHASE}),
     dispatched_at = :at
-FROM phased AS p
-WHERE s.user_id = p.user_id
+WHERE s.user_id = ANY(ARRAY(SELECT user_id FROM timed UNION SELECT user_id FROM dirty LIMIT :limit))
 RETURNING s.user_id
 """
 )

@@ -295,3 +295,14 @@ def test_next_slot_is_between_half_and_one_and_a_half_intervals_ahead(interval_h
         slot = dispatch_store.next_slot(f"user-{i}", at, interval)
         ahead = (slot - at).total_seconds()
         assert interval / 2 <= ahead < 1.5 * interval + 1e-3
+
+
+def test_the_dispatcher_benchmark_runs_in_its_quick_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import dispatcher_tick
+
+    figures = dispatcher_tick.main(["--users", "2000", "--due", "100"])
+
+    assert figures.claimed == 100
+    out = capsys.readouterr().out
+    assert "Update on dream_user_state" in out
+    assert "tick database work" in out
