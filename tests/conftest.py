@@ -39,7 +39,9 @@ HOW_TO_START = {
 
 
 def _base_settings(**overrides: object) -> Settings:
-    # _env_file=None: a developer's .env must not leak into the tests.
+    # _env_file=None: a developer's .env must not leak into the tests. No broker unless a
+    # test asks for one, so producers under test never publish into a shared Redis.
+    overrides.setdefault("broker_url", "")
     return Settings(_env_file=None, **overrides)  # type: ignore[call-arg]
 
 

@@ -30,7 +30,7 @@ def demo_settings(path: Path) -> Settings:
         _env_file=None,
         database_url=f"sqlite:///{path.resolve()}",
         llm_model="offline",
-        broker_url="memory://",
+        broker_url="",
     )
 
 
@@ -48,9 +48,22 @@ def run_demo(path: Path, console: Console | None = None) -> dict[str, Any]:
         f"{len(demo_world.AGENTS)} agents, and {seeded['signals']} signals (all three kinds, two malformed)"
     )
     from schedules.cron import run_once
+    from tasks.activity import detect_routines
+    from tasks.signals import process_pending
 
+    # The pass below would process the signals too; doing it first keeps each fact's verdict.
+    signal_pass = process_pending(settings)
     result = run_once(settings, users=(), all_users=True)
+    routines = detect_routines(settings)
     summary = _summarize(settings, result)
+    summary["routines"] = routines
+    summary["decisions"] = [
+        (r.user_id, r.signal_id, r.kind, d.key, d.value, d.accepted, d.outcome)
+        for r in signal_pass.results
+        for d in r.decisions
+    ]
+    for key in ("processed", "rejected", "failed", "dead"):
+        summary["pass"][f"signals_{key}"] += getattr(signal_pass, key)
     _print(out, summary)
     dispose_engines()
     return summary
@@ -128,45 +141,70 @@ def _summarize(settings: Settings, result: Any) -> dict[str, Any]:
         }
 
 
+def _table(out: Console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+
+
+def _verdict(accepted: bool, outcome: str) -> str:
+    return f"[green]accepted[/green]: {outcome}" if accepted else f"[red]refused[/red]: {outcome}"
+
+
 def _print(out: Console, s: dict[str, Any]) -> None:
-    signals = Table(title="Signals: what each one became")
-    for column in ("id", "kind", "user", "status", "why"):
-        signals.add_column(column, overflow="fold")
-    for sid, kind, user, status, error in s["signals"]:
-        signals.add_row(str(sid), kind, user, status, error or "")
-    out.print(signals)
-
-    written = Table(title="Memories written from signals and summaries")
-    for column in ("user", "key", "value", "category", "source", "action"):
-        written.add_column(column, overflow="fold")
-    for w in s["written"]:
-        written.add_row(w["user_id"], w["key"], json.dumps(w["value"])[:60], w["category"], w["source"], w["action"])
-    out.print(written)
-
-    removed = Table(title="Archived and removed (restorable with `reverie restore --run ID`)")
-    for column in ("user", "reason", "key", "run"):
-        removed.add_column(column)
-    for user, reason, key, run_id in s["archived"]:
-        removed.add_row(user, reason, key, str(run_id or ""))
-    out.print(removed)
-
-    flagged = Table(title="Contradictions flagged (conflicted = true)")
-    for column in ("user", "normalised key", "entries"):
-        flagged.add_column(column)
-    for user, key, n in s["contradictions"]:
-        flagged.add_row(user, key, str(n))
-    out.print(flagged)
-
-    runs = Table(title="Dream runs (the ledger)")
-    for column in ("run", "user", "status", "pruned", "contradictions", "summarized", "cost USD"):
-        runs.add_column(column)
-    for run_id, user, status, pruned, found, summarized, cost in s["runs"]:
-        runs.add_row(str(run_id), user, status, str(pruned), str(found), str(summarized), f"{cost:.6f}")
-    out.print(runs)
+    _table(
+        out,
+        "Signals: what each one became",
+        ("id", "kind", "user", "status", "why"),
+        [(str(sid), kind, user, status, error or "") for sid, kind, user, status, error in s["signals"]],
+    )
+    _table(
+        out,
+        "Candidate memories from signals: accepted or refused, and why",
+        ("user", "signal", "kind", "key", "value", "verdict"),
+        [
+            (user, str(sid), kind, key, str(value)[:40], _verdict(accepted, outcome))
+            for user, sid, kind, key, value, accepted, outcome in s["decisions"]
+        ],
+    )
+    _table(
+        out,
+        "Memories written from signals and summaries",
+        ("user", "key", "value", "category", "source", "action"),
+        [
+            (w["user_id"], w["key"], json.dumps(w["value"])[:60], w["category"], w["source"], w["action"])
+            for w in s["written"]
+        ],
+    )
+    _table(
+        out,
+        "Archived and removed (restorable with `reverie restore --run ID`)",
+        ("user", "reason", "key", "run"),
+        [(user, reason, key, str(run_id or "")) for user, reason, key, run_id in s["archived"]],
+    )
+    _table(
+        out,
+        "Contradictions flagged (conflicted = true)",
+        ("user", "normalised key", "entries"),
+        [(user, key, str(n)) for user, key, n in s["contradictions"]],
+    )
+    _table(
+        out,
+        "Dream runs (the ledger)",
+        ("run", "user", "status", "pruned", "contradictions", "summarized", "cost USD"),
+        [
+            (str(run_id), user, status, str(pruned), str(found), str(summarized), f"{cost:.6f}")
+            for run_id, user, status, pruned, found, summarized, cost in s["runs"]
+        ],
+    )
     p = s["pass"]
     out.print(
         f"[bold]pass:[/bold] users {p.get('users_processed')}, pruned {p.get('entries_pruned')}, "
         f"contradictions {p.get('contradictions_found')}, summarized {p.get('entries_summarized')}, "
         f"signals done {p.get('signals_processed')} / rejected {p.get('signals_rejected')} / "
-        f"failed {p.get('signals_failed')}, spent {float(p.get('cost_usd', 0)):.6f} USD"
+        f"failed {p.get('signals_failed')}, routines found {s.get('routines', 0)}, "
+        f"dream spend {float(p.get('cost_usd', 0)):.6f} USD"
     )
