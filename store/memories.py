@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
@@ -137,21 +138,7 @@ def _remove_portable(
         return []
     at = now()
     ids = [row.id for row in rows]
-    session.execute(
-        insert(ArchivedEntry),
-        [
-            {
-                "run_id": run_id,
-                "signal_id": signal_id,
-                "user_id": row.user_id,
-                "entry_id": row.id,
-                "reason": reason,
-                "row": jsonable_row(row),
-                "archived_at": at,
-            }
-            for row in rows
-        ],
-    )
+    _archive_fetched(session, rows, reason=reason, run_id=run_id, signal_id=signal_id, at=at)
     for start in range(0, len(ids), 500):
         session.execute(delete(table).where(table.c.id.in_(ids[start : start + 500])))
     removed = [Removed(row.id, row.user_id, row.key) for row in rows]
@@ -234,23 +221,37 @@ def archive_rows(
         result = session.execute(statement)
         return int(getattr(result, "rowcount", 0) or 0)
     rows = session.execute(select(table).where(where)).all()
-    if rows:
-        session.execute(
-            insert(ArchivedEntry),
-            [
-                {
-                    "run_id": run_id,
-                    "signal_id": signal_id,
-                    "user_id": row.user_id,
-                    "entry_id": row.id,
-                    "reason": reason,
-                    "row": jsonable_row(row),
-                    "archived_at": at,
-                }
-                for row in rows
-            ],
-        )
+    _archive_fetched(session, rows, reason=reason, run_id=run_id, signal_id=signal_id, at=at)
     return len(rows)
+
+
+def _archive_fetched(
+    session: Session,
+    rows: Sequence[Any],
+    *,
+    reason: str,
+    run_id: int | None,
+    signal_id: int | None,
+    at: datetime,
+) -> None:
+    """Copy rows already read from the memory table into the archive, whole."""
+    if not rows:
+        return
+    session.execute(
+        insert(ArchivedEntry),
+        [
+            {
+                "run_id": run_id,
+                "signal_id": signal_id,
+                "user_id": row.user_id,
+                "entry_id": row.id,
+                "reason": reason,
+                "row": jsonable_row(row),
+                "archived_at": at,
+            }
+            for row in rows
+        ],
+    )
 
 
 def _upsert_key(table: Table, user_id: str, key: str, visibility: str, agent_id: str | None) -> ColumnElement[bool]:
