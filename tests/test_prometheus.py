@@ -1,25 +1,36 @@
 """A real Prometheus scrapes the worker with the repository's configuration.
 
-Needs Debian's ``prometheus`` package (``prometheus`` and ``promtool`` on PATH); the
-server runs on loopback with a throwaway storage directory and is stopped at the end.
+Needs Debian's ``prometheus`` package (``prometheus`` and ``promtool`` on PATH). The
+end-to-end test starts a real ``celery -A worker.app worker`` against the run's
+PostgreSQL database and a Redis database number of its own, has it process signals
+and a dream, then starts the real Prometheus on loopback (throwaway storage) with the
+repository's scrape configuration and reads the result back through its HTTP API.
+Every process is killed at the end, also on failure.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+import redis as redis_lib
 import yaml
 
-from tests.test_metrics import ROOT, enqueue_work, free_port, served_metrics
+from tests.test_metrics import ROOT, free_port
 from worker.settings import Settings
+from worker.wakeup import publish, wake_signals
 
 OPS = ROOT / "ops"
 
@@ -76,72 +87,179 @@ def instant(port: int, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def test_prometheus_scrapes_the_worker(pg_settings: Settings, tmp_path: Path) -> None:
+REDIS_DB_URL = os.environ.get("REVERIE_TEST_PROMETHEUS_REDIS_URL", "redis://127.0.0.1:6379/13")
+SLEEPER = "prom-sleeper"
+SIGNAL_USERS = ["prom-user-0", "prom-user-1", "prom-user-2"]
+
+
+class Processes:
+    """Subprocesses in their own process groups, logs in files, all killed at the end."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        # The child keeps its own copy of the descriptor; ours is closed at once.
+        with (self.tmp / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                argv, cwd=self.tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
+
+
+@pytest.fixture()
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    client = redis_lib.Redis.from_url(REDIS_DB_URL, socket_connect_timeout=3)
+    client.flushdb()
+    running = Processes(tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop_all()
+        client.flushdb()
+        client.close()
+
+
+def insert_work(conn: psycopg.Connection[Any]) -> list[int]:
+    """Three session ends, one malformed feedback and a user with a stale memory, by
+    plain SQL as a producer in another language would write them."""
+    ids = []
+    for n, user in enumerate(SIGNAL_USERS):
+        payload = {"conversation_id": f"c-{n}", "messages": [{"role": "user", "content": f"my color is blue {n}"}]}
+        row = conn.execute(
+            "INSERT INTO dream_signals (kind, user_id, payload) VALUES ('session_end', %s, %s) RETURNING id",
+            (user, json.dumps(payload)),
+        ).fetchone()
+        assert row is not None
+        ids.append(row[0])
+    row = conn.execute(
+        "INSERT INTO dream_signals (kind, user_id, payload) VALUES ('feedback', %s, %s) RETURNING id",
+        (SIGNAL_USERS[0], json.dumps({"deliverable_id": "d"})),
+    ).fetchone()
+    assert row is not None
+    ids.append(row[0])
+    conn.execute(
+        "INSERT INTO usermemories (user_id, key, value, category, created_at, updated_at) VALUES "
+        "(%s, 'old_hobby', '\"kites\"', 'fact', now() - interval '200 days', now() - interval '200 days')",
+        (SLEEPER,),
+    )
+    return ids
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout: float, processes: Processes) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        for proc in processes.procs:
+            if proc.poll() is not None:
+                pytest.fail(f"{proc.args!r} exited ({proc.returncode}) while waiting until {what}\n{processes.logs()}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout}s waiting until {what}\n{processes.logs()}")
+
+
+def test_prometheus_scrapes_a_real_worker(pg_settings: Settings, processes: Processes, tmp_path: Path) -> None:
     prometheus = tool("prometheus")
-    enqueue_work(pg_settings)
+    metrics_port = free_port()
+    env = {
+        **os.environ,
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_BROKER_URL": REDIS_DB_URL,
+        "REVERIE_METRICS_PORT": str(metrics_port),
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics-worker"),
+        "REVERIE_LOG_FORMAT": "json",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+    argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker"]
+    argv += ["-Q", "signals,dreams,housekeeping", "-c", "2", "-n", "prom-worker@%h", "--loglevel", "INFO"]
+    argv += ["--without-gossip", "--without-mingle"]
+    processes.start("worker", argv, env)
 
-    with served_metrics(pg_settings, tmp_path / "mp") as metrics_port:
-        # The repository's configuration, pointed at this worker and scraping fast.
-        config = yaml.safe_load((OPS / "prometheus.yml").read_text("utf-8"))
-        config["global"]["scrape_interval"] = "1s"
-        config["global"]["evaluation_interval"] = "1s"
-        config["rule_files"] = [str(OPS / "alerts.yml")]
-        (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "reverie"]
-        job["static_configs"][0]["targets"] = [f"127.0.0.1:{metrics_port}"]
-        config_path = tmp_path / "prometheus.yml"
-        config_path.write_text(yaml.safe_dump(config), "utf-8")
+    # The work, by plain SQL; the wake-ups as the producer and the dispatcher send them.
+    with psycopg.connect(pg_settings.database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        ids = insert_work(conn)
+        broker = Settings(_env_file=None, database_url=pg_settings.database_url, broker_url=REDIS_DB_URL)
+        assert wake_signals(broker, ids) == len(ids)
+        assert publish(broker, "dream.run_user", [[SLEEPER]]) == 1
 
-        web_port = free_port()
-        log_path = tmp_path / "prometheus.log"
-        with (
-            log_path.open("w") as log_file,
-            subprocess.Popen(
-                [
-                    prometheus,
-                    f"--config.file={config_path}",
-                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{web_port}",
-                    "--web.enable-lifecycle",
-                ],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            ) as server,
-        ):
-            try:
-                done, rejected, pending, target = wait_for_scrape(web_port, server, log_path)
-            finally:
-                server.terminate()
-                try:
-                    server.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait()
+        def statuses() -> dict[str, int]:
+            rows = conn.execute(
+                "SELECT status, count(*) FROM dream_signals WHERE id = ANY(%s) GROUP BY status", (ids,)
+            ).fetchall()
+            return {status: count for status, count in rows}
+
+        wait_until("the signals are processed", lambda: statuses() == {"done": 3, "rejected": 1}, 30, processes)
+        wait_until(
+            "the user has dreamed",
+            lambda: bool(
+                conn.execute(
+                    "SELECT 1 FROM dream_runs WHERE user_id = %s AND status = 'succeeded'", (SLEEPER,)
+                ).fetchall()
+            ),
+            20,
+            processes,
+        )
+
+    # The repository's configuration, pointed at this worker and scraping fast.
+    config = yaml.safe_load((OPS / "prometheus.yml").read_text("utf-8"))
+    config["global"]["scrape_interval"] = "1s"
+    config["global"]["evaluation_interval"] = "1s"
+    config["rule_files"] = [str(OPS / "alerts.yml")]
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "reverie"]
+    job["static_configs"][0]["targets"] = [f"127.0.0.1:{metrics_port}"]
+    config_path = tmp_path / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump(config), "utf-8")
+
+    web_port = free_port()
+    server = processes.start(
+        "prometheus",
+        [
+            prometheus,
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{web_port}",
+            "--web.enable-lifecycle",
+        ],
+        dict(os.environ),
+    )
+    done, rejected, users, target = wait_for_scrape(web_port, server, processes)
 
     assert target["health"] == "up", target
     assert target["labels"]["job"] == "reverie"
-    assert done == 4.0
+    assert done == 3.0
     assert rejected == 1.0
-    assert pending == 1.0
+    assert users == 1.0
 
 
-def wait_for_scrape(port: int, server: subprocess.Popen[bytes], log_path: Path) -> tuple[Any, ...]:
-    deadline = time.monotonic() + 45
+def wait_for_scrape(port: int, server: subprocess.Popen[bytes], processes: Processes) -> tuple[Any, ...]:
+    deadline = time.monotonic() + 30
     last_error = ""
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            pytest.fail(f"prometheus exited: {log_path.read_text()[-3000:]}")
+            pytest.fail(f"prometheus exited: {processes.logs()}")
         try:
             targets = api(port, "targets")["activeTargets"]
             done = instant(port, 'sum(dream_signals_processed_total{job="reverie",outcome="done"})')
             rejected = instant(port, 'sum(dream_signals_processed_total{job="reverie",outcome="rejected"})')
-            pending = instant(port, 'sum(dream_signals_pending{job="reverie"})')
+            users = instant(port, 'sum(dream_users_processed_total{job="reverie"})')
             up = instant(port, 'up{job="reverie"}')
         except OSError as exc:
             last_error = str(exc)
             time.sleep(0.3)
             continue
-        if targets and up == 1.0 and done is not None and pending is not None:
-            return done, rejected, pending, targets[0]
-        last_error = f"targets={targets} up={up} done={done}"
+        if targets and up == 1.0 and done is not None and users is not None:
+            return done, rejected, users, targets[0]
+        last_error = f"targets={targets} up={up} done={done} users={users}"
         time.sleep(0.3)
-    pytest.fail(f"prometheus never scraped the worker ({last_error}): {log_path.read_text()[-2000:]}")
+    pytest.fail(f"prometheus never scraped the worker ({last_error}): {processes.logs()}")
