@@ -33,34 +33,21 @@ def observe_recalls(session: Session, table: Table, user_id: str, at: datetime) 
         literal(at, EntryState.seen_at.type),
     ).where(table.c.user_id == user_id)
     columns = ["entry_id", "user_id", "access_count_seen", "last_recalled_at", "seen_at"]
-    if session.get_bind().dialect.name == "postgresql":
-        pg = pg_insert(EntryState).from_select(columns, source)
-        excluded = pg.excluded
-        grew = excluded.access_count_seen > EntryState.access_count_seen
-        session.execute(
-            pg.on_conflict_do_update(
-                index_elements=[EntryState.entry_id],
-                set_={
-                    "last_recalled_at": case((grew, excluded.seen_at), else_=EntryState.last_recalled_at),
-                    "access_count_seen": excluded.access_count_seen,
-                    "seen_at": excluded.seen_at,
-                },
-            )
+    # Both dialects' INSERT speak the same ON CONFLICT; only the constructor differs.
+    dialect_insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    statement = dialect_insert(EntryState).from_select(columns, source)
+    excluded = statement.excluded
+    grew = excluded.access_count_seen > EntryState.access_count_seen
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[EntryState.entry_id],
+            set_={
+                "last_recalled_at": case((grew, excluded.seen_at), else_=EntryState.last_recalled_at),
+                "access_count_seen": excluded.access_count_seen,
+                "seen_at": excluded.seen_at,
+            },
         )
-    else:
-        lite = sqlite_insert(EntryState).from_select(columns, source)
-        excluded = lite.excluded
-        grew = excluded.access_count_seen > EntryState.access_count_seen
-        session.execute(
-            lite.on_conflict_do_update(
-                index_elements=[EntryState.entry_id],
-                set_={
-                    "last_recalled_at": case((grew, excluded.seen_at), else_=EntryState.last_recalled_at),
-                    "access_count_seen": excluded.access_count_seen,
-                    "seen_at": excluded.seen_at,
-                },
-            )
-        )
+    )
 
 
 def forget_missing(session: Session, table: Table, user_id: str) -> int:
