@@ -1,0 +1,1 @@
+"""Reverie's benchmarks: ``python -m bench`` runs every measure and prints one table."""
