@@ -1,30 +1,45 @@
-"""One dispatcher tick against a big schedule: its database work and the claim's plan.
+"""P3: one dispatcher tick against a big schedule; its cost follows the due count, not the total.
 
-Creates a throwaway PostgreSQL database, fills ``dream_user_state`` with ``--users``
-users of whom ``--due`` are due (80 % by time, 20 % dirty), plus as many dirty users
-whose run is already in flight (the dirty scan must step over them), then:
+For each case (total users, due users) a throwaway PostgreSQL database gets a
+``dream_user_state`` of that many users, of whom that many are due (80 % by time, 20 %
+dirty), plus as many dirty users whose run is already in flight (the dirty scan must
+step over them). Then one real tick's database work (``schedules.dispatcher.claim``:
+claim + commit, runs not sent anywhere) is timed ``REPEATS`` times, the claimed users'
+schedule rows put back (and vacuumed) between repeats, and the median kept; a last tick,
+which finds nobody due, is timed too.
 
-1. prints ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim, in a transaction rolled back;
-2. times one real tick's database work (claim + commit), runs not sent anywhere;
-3. times a second tick, which finds nobody due.
+The cases, and what each row's goal says:
 
-    python bench/dispatcher_tick.py                      # 1,000,000 users, 10,000 due
-    python bench/dispatcher_tick.py --users 2000 --due 100   # a quick smoke run
+- 1,000,000 users, 10,000 due: under a second;
+- 100,000 users, 10,000 due: the baseline of the first row, which must stay within
+  ``TOTAL_GROWTH_LIMIT`` (1.5x) of it: ten times the users, nearly the same tick;
+- 1,000,000 users, 1,000 due: compared with the first row, must take at most
+  ``DUE_SHRINK_LIMIT`` (0.5x) of it: a tenth of the due users, a much cheaper tick.
+
+    python -m bench P3                  # the three cases above (about a minute of seeding each)
+    python bench/dispatcher_tick.py     # the same, printing the claim's query plan first
+    python bench/dispatcher_tick.py --quick   # tiny numbers: a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import psycopg
 from psycopg import sql
 
+if not __package__:  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.table import Row, ratio, render, seconds
 from schedules import dispatcher
 from store import dispatch as dispatch_store
 from store.db import dispose_engines, session_scope
@@ -32,10 +47,16 @@ from store.migrate import upgrade
 from store.types import now
 from worker.settings import Settings
 
-#: "Well under a second" for 1,000,000 users with 10,000 due.
-GOAL_MS = 1000.0
-#: The first claim (UPDATE ... FROM a join the planner hashed over every user): 419 ms.
-BASELINE_MS = 419.0
+#: One tick with 1,000,000 users and 10,000 due: under a second.
+GOAL_SECONDS = 1.0
+#: Ten times the users (same due count) may cost at most this factor.
+TOTAL_GROWTH_LIMIT = 1.5
+#: A tenth of the due users (same total) must cost at most this fraction.
+DUE_SHRINK_LIMIT = 0.5
+REPEATS = 3
+
+FULL_CASES = ((1_000_000, 10_000), (100_000, 10_000), (1_000_000, 1_000))
+QUICK_CASES = ((20_000, 200), (2_000, 200), (20_000, 20))
 
 ADMIN_URL = os.environ.get("REVERIE_BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -45,8 +66,9 @@ class Figures:
     users: int
     due: int
     claimed: int
-    claim_ms: float
-    idle_tick_ms: float
+    tick_seconds: float  # median of REPEATS ticks
+    ticks: list[float]
+    idle_tick_seconds: float
     plan: str
 
 
@@ -79,10 +101,27 @@ def _fill(url: str, users: int, due: int) -> None:
             "WHERE user_id IN (SELECT 'user-' || g FROM generate_series(%s::int, %s::int) AS g)",
             (due + 1, due + in_flight),
         )
+        # What a tick changes, kept to put back between repeats.
+        conn.execute(
+            "CREATE TABLE bench_saved AS SELECT user_id, next_dream_at, dispatched_at FROM dream_user_state "
+            "WHERE next_dream_at <= timezone('utc', now()) OR dirty_since IS NOT NULL"
+        )
+        conn.execute("VACUUM ANALYZE dream_user_state")
+
+
+def _restore(url: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE dream_user_state AS s SET next_dream_at = b.next_dream_at, dispatched_at = b.dispatched_at "
+            "FROM bench_saved AS b WHERE s.user_id = b.user_id "
+            "AND (s.next_dream_at, s.dispatched_at) IS DISTINCT FROM (b.next_dream_at, b.dispatched_at)"
+        )
         conn.execute("VACUUM ANALYZE dream_user_state")
 
 
 def _explain(settings: Settings) -> str:
+    from sqlalchemy import text
+
     at = now()
     interval = settings.dream_interval_hours * 3600
     params = {
@@ -95,60 +134,112 @@ def _explain(settings: Settings) -> str:
     }
     explain = dispatch_store._PG_CLAIM.text.replace("\nWITH", "EXPLAIN (ANALYZE, BUFFERS) WITH", 1)
     with session_scope(settings) as session:
-        from sqlalchemy import text
-
         lines = [row[0] for row in session.execute(text(explain), params)]
         session.rollback()
     return "\n".join(lines)
 
 
-def run(users: int, due: int) -> Figures:
+def run(users: int, due: int, *, repeats: int = REPEATS) -> Figures:
+    """Seed a throwaway database with ``users`` scheduled, ``due`` of them due; time ticks."""
     name = f"reverie_bench_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    base = ADMIN_URL.rsplit("/", 1)[0]
-    url = f"{base}/{name}"
+    url = f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}"
     with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     try:
-        settings = Settings(_env_file=None, database_url=url, dispatch_max_users=max(due, 1))  # type: ignore[call-arg]
+        settings = Settings(_env_file=None, database_url=url, dispatch_max_users=due)  # type: ignore[call-arg]
         upgrade(settings)
         _fill(url, users, due)
         plan = _explain(settings)
-
         dispose_engines()
         dispatcher.claim(settings, at=now() - timedelta(days=3650))  # warm the pool; nobody is due then
-        started = time.perf_counter()
-        claimed = dispatcher.claim(settings)
-        claim_ms = (time.perf_counter() - started) * 1000
+        ticks: list[float] = []
+        claimed = 0
+        for index in range(repeats):
+            if index:
+                _restore(url)
+            started = time.perf_counter()
+            claimed = len(dispatcher.claim(settings))
+            ticks.append(time.perf_counter() - started)
         started = time.perf_counter()
         dispatcher.claim(settings)
-        idle_ms = (time.perf_counter() - started) * 1000
+        idle = time.perf_counter() - started
         dispose_engines()
     finally:
         with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-    return Figures(users, due, len(claimed), claim_ms, idle_ms, plan)
+    return Figures(users, due, claimed, statistics.median(ticks), ticks, idle, plan)
 
 
-def main(argv: list[str] | None = None) -> Figures:
+def rows_for(big: Figures, fewer_users: Figures, fewer_due: Figures) -> list[Row]:
+    """The P3 rows: the big tick against its goal, and the two scaling comparisons."""
+
+    def label(f: Figures) -> str:
+        return f"tick: {f.users:,} users, {f.due:,} due (claimed {f.claimed:,})"
+
+    def ms(f: Figures) -> str:
+        return seconds(f.tick_seconds)
+
+    growth = big.tick_seconds / fewer_users.tick_seconds
+    shrink = fewer_due.tick_seconds / big.tick_seconds
+    return [
+        Row(
+            "P3",
+            label(big),
+            ms(big),
+            baseline=f"{ms(fewer_users)} ({fewer_users.users:,} users)",
+            ratio=ratio(big.tick_seconds, fewer_users.tick_seconds),
+            goal=f"< {seconds(GOAL_SECONDS)}, ratio <= {TOTAL_GROWTH_LIMIT}x",
+            passed=big.tick_seconds < GOAL_SECONDS
+            and growth <= TOTAL_GROWTH_LIMIT
+            and big.claimed == big.due
+            and fewer_users.claimed == fewer_users.due,
+        ),
+        Row("P3", label(fewer_users), ms(fewer_users)),
+        Row(
+            "P3",
+            label(fewer_due),
+            ms(fewer_due),
+            baseline=f"{ms(big)} ({big.due:,} due)",
+            ratio=ratio(fewer_due.tick_seconds, big.tick_seconds),
+            goal=f"ratio <= {DUE_SHRINK_LIMIT}x",
+            passed=shrink <= DUE_SHRINK_LIMIT and fewer_due.claimed == fewer_due.due,
+        ),
+        Row(
+            "P3",
+            f"next tick, nobody due ({big.users:,} users)",
+            seconds(big.idle_tick_seconds),
+            goal=f"< {seconds(GOAL_SECONDS)}",
+            passed=big.idle_tick_seconds < GOAL_SECONDS,
+        ),
+    ]
+
+
+def _measure(quick: bool) -> tuple[list[Row], Figures]:
+    cases = QUICK_CASES if quick else FULL_CASES
+    figures = []
+    for users, due in cases:
+        print(f"P3: seeding {users:,} users, {due:,} due", file=sys.stderr, flush=True)
+        figures.append(run(users, due))
+    big, fewer_users, fewer_due = figures
+    return rows_for(big, fewer_users, fewer_due), big
+
+
+def measure(quick: bool) -> list[Row]:
+    """The P3 rows (``quick``: tiny numbers, a smoke run of a few seconds)."""
+    return _measure(quick)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--users", type=int, default=1_000_000)
-    parser.add_argument("--due", type=int, default=10_000)
+    parser.add_argument("--quick", action="store_true", help="tiny numbers: a smoke run, not a measurement")
     args = parser.parse_args(argv)
-    if not 0 < args.due <= args.users // 2:
-        parser.error("--due must be positive and at most half of --users")
-    figures = run(args.users, args.due)
-    print("EXPLAIN ANALYZE of the claim:\n")
-    print(figures.plan)
-    print()
-    print(f"users in the schedule : {figures.users:,}")
-    print(f"due                   : {figures.due:,}")
-    print(f"claimed in one tick   : {figures.claimed:,}")
-    print(f"tick database work    : {figures.claim_ms:,.0f} ms (claim + commit)")
-    print(f"next tick, none due   : {figures.idle_tick_ms:,.1f} ms")
-    print(f"baseline              : {BASELINE_MS:,.0f} ms (ratio {figures.claim_ms / BASELINE_MS:.2f})")
-    print(f"goal                  : < {GOAL_MS:,.0f} ms ({'met' if figures.claim_ms < GOAL_MS else 'MISSED'})")
-    return figures
+    rows, big = _measure(args.quick)
+    print(f"EXPLAIN ANALYZE of the claim ({big.users:,} users, {big.due:,} due):\n")
+    print(big.plan)
+    print(f"\nticks (s): {', '.join(f'{t:.3f}' for t in big.ticks)}\n")
+    print(render(rows))
+    return 0 if all(r.passed is not False for r in rows) or args.quick else 1
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
