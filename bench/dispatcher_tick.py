@@ -16,7 +16,7 @@ The cases, and what each row's goal says:
 - 1,000,000 users, 1,000 due: compared with the first row, must take at most
   ``DUE_SHRINK_LIMIT`` (0.5x) of it: a tenth of the due users, a much cheaper tick.
 
-    python -m bench P3                  # the three cases above (about a minute of seeding each)
+    python -m bench P3                  # the three cases above (seconds of seeding each)
     python bench/dispatcher_tick.py     # the same, printing the claim's query plan first
     python bench/dispatcher_tick.py --quick   # tiny numbers: a smoke run
 """
