@@ -11,21 +11,15 @@ producer in another language would, and reads the outcome; it never calls the ap
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import psycopg
 import pytest
 import redis as redis_lib
 
+from tests.processes import Db, Service, session_end_payload, wait_until
 from worker.settings import Settings
 
 pytestmark = pytest.mark.acceptance
@@ -35,121 +29,19 @@ USERS = [f"acc-user-{i:02d}" for i in range(20)]
 SLEEPER = "acc-sleeper"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Service:
-    """Worker and beat subprocesses, each in its own process group, logs in files."""
-
-    def __init__(self, tmp: Path, database_url: str) -> None:
-        self.tmp = tmp
-        self.env = {
-            **os.environ,
-            "REVERIE_DATABASE_URL": database_url,
-            "REVERIE_BROKER_URL": REDIS_DB_URL,
-            "REVERIE_DISPATCH_INTERVAL_SECONDS": "1",
-            "REVERIE_SWEEP_INTERVAL_SECONDS": "1",
-            "REVERIE_SWEEP_GRACE_SECONDS": "1",
-            "REVERIE_SIGNAL_LEASE_SECONDS": "5",
-            "REVERIE_LOG_FORMAT": "json",
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        }
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.count = 0
-
-    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        # The child keeps its own copy of the descriptor; ours is closed at once.
-        with (self.tmp / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(
-                argv, cwd=self.tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.procs.append(proc)
-        return proc
-
-    def worker(self) -> subprocess.Popen[bytes]:
-        self.count += 1
-        name = f"worker{self.count}"
-        env = {
-            **self.env,
-            "REVERIE_METRICS_PORT": str(_free_port()),
-            "PROMETHEUS_MULTIPROC_DIR": str(self.tmp / f"metrics-{name}"),
-        }
-        argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker"]
-        argv += ["-Q", "signals,dreams,housekeeping", "-c", "2", "-n", f"{name}@%h", "--loglevel", "INFO"]
-        argv += ["--without-gossip", "--without-mingle"]
-        return self._start(name, argv, env)
-
-    def beat(self) -> subprocess.Popen[bytes]:
-        reverie = str(Path(sys.executable).parent / "reverie")
-        argv = [reverie, "beat", "--schedule", str(self.tmp / "beat-state"), "--loglevel", "INFO"]
-        return self._start("beat", argv, {**self.env, "REVERIE_METRICS_PORT": str(_free_port())})
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
-
-
-class Db:
-    """Plain SQL on the test database (psycopg, autocommit): no Reverie code."""
-
-    def __init__(self, url: str) -> None:
-        self.conn = psycopg.connect(url.replace("+psycopg", ""), autocommit=True)
-
-    def rows(self, query: str, *params: Any) -> list[tuple[Any, ...]]:
-        return self.conn.execute(query, params).fetchall()  # type: ignore[arg-type]
-
-    def run(self, query: str, *params: Any) -> None:
-        self.conn.execute(query, params)  # type: ignore[arg-type]
-
-    def value(self, query: str, *params: Any) -> Any:
-        return self.rows(query, *params)[0][0]
-
-    def insert_signals(self, start: int, count: int) -> list[int]:
-        ids = []
-        for n in range(start, start + count):
-            user = USERS[n % len(USERS)]
-            payload = {
-                "conversation_id": f"conv-{n}",
-                "messages": [
-                    {"role": "user", "content": f"Hello. My item {n} colour is shade{n}."},
-                    {"role": "assistant", "content": "Noted."},
-                ],
-            }
-            row = self.rows(
-                "INSERT INTO dream_signals (kind, user_id, payload) VALUES ('session_end', %s, %s) RETURNING id",
-                user,
-                json.dumps(payload),
-            )
-            ids.append(row[0][0])
-        return ids
-
-    def statuses(self, ids: list[int]) -> dict[str, int]:
-        rows = self.rows("SELECT status, count(*) FROM dream_signals WHERE id = ANY(%s) GROUP BY status", ids)
-        return {status: count for status, count in rows}
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout: float, service: Service) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout}s waiting until {what}\n{service.logs()}")
+def insert_signals(db: Db, start: int, count: int) -> list[int]:
+    """``count`` session ends by plain SQL, each with one fact to extract."""
+    return [
+        db.insert_signal("session_end", USERS[n % len(USERS)], session_end_payload(n))
+        for n in range(start, start + count)
+    ]
 
 
 @pytest.fixture()
 def service(pg_settings: Settings, tmp_path: Path) -> Iterator[Service]:
     client = redis_lib.Redis.from_url(REDIS_DB_URL)
     client.flushdb()
-    running = Service(tmp_path, pg_settings.database_url)
+    running = Service(tmp_path, pg_settings.database_url, REDIS_DB_URL)
     yield running
     running.stop_all()
     client.flushdb()
@@ -160,7 +52,7 @@ def service(pg_settings: Settings, tmp_path: Path) -> Iterator[Service]:
 def db(pg_settings: Settings) -> Iterator[Db]:
     handle = Db(pg_settings.database_url)
     yield handle
-    handle.conn.close()
+    handle.close()
 
 
 def _assert_applied_once(db: Db, ids: list[int]) -> None:
@@ -188,7 +80,7 @@ def test_worker_and_beat_process_signals_and_dreams_and_survive_sigkill_and_sigt
         "VALUES (%s, timezone('utc', now()) - interval '1 minute')",
         SLEEPER,
     )
-    first = db.insert_signals(0, 20)
+    first = insert_signals(db, 0, 20)
     service.beat()
     worker1 = service.worker()
 
@@ -210,7 +102,7 @@ def test_worker_and_beat_process_signals_and_dreams_and_survive_sigkill_and_sigt
     _assert_applied_once(db, first)
 
     # -- 2. SIGKILL the worker while it processes ---------------------------------------
-    second = db.insert_signals(20, 300)
+    second = insert_signals(db, 20, 300)
     wait_until(
         "the worker is processing the second batch",
         lambda: db.statuses(second).get("processing", 0) > 0 and db.statuses(second).get("done", 0) >= 5,
@@ -228,7 +120,7 @@ def test_worker_and_beat_process_signals_and_dreams_and_survive_sigkill_and_sigt
 
     # -- 3. SIGTERM: a warm shutdown finishes what it started --------------------------
     worker2 = service.procs[-1]
-    third = db.insert_signals(320, 150)
+    third = insert_signals(db, 320, 150)
     wait_until(
         "the worker is busy with the third batch",
         lambda: db.statuses(third).get("done", 0) >= 5,
