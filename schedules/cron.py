@@ -1,7 +1,8 @@
 """One pass in this process, for cron (``reverie run``): signals first, then dreams.
 
 Without ``users`` or ``all_users`` the users due now are dreamed (see
-:mod:`store.schedule`); each user's run is :func:`tasks.dream.dream_user`.
+:mod:`store.schedule`), in chunks of ``dispatch_chunk_size`` through
+:func:`tasks.dream.dream_users`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 from store import schedule
 from store.db import session_scope
 from store.types import now
-from tasks.dream import RunOutcome, dream_user
+from tasks.dream import RunOutcome, dream_users
 from worker.settings import Settings
 
 
@@ -85,8 +86,12 @@ def run_once(
     report.signals_failed = signals.failed
     report.signals_dead = signals.dead
     chosen = users_for(settings, users=users, all_users=all_users)
-    for done, user_id in enumerate(chosen, start=1):
-        report.add(dream_user(settings, user_id, trigger="cron"))
-        if on_user is not None:
-            on_user(done, len(chosen))
+    done = 0
+    # In chunks, like the dispatcher's: each chunk's database work is set-based.
+    for start in range(0, len(chosen), settings.dispatch_chunk_size):
+        for outcome in dream_users(settings, chosen[start : start + settings.dispatch_chunk_size], trigger="cron"):
+            report.add(outcome)
+            done += 1
+            if on_user is not None:
+                on_user(done, len(chosen))
     return report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -68,3 +69,38 @@ def close(session: Session, contradiction_ids: list[int], at: datetime) -> None:
 def entry_ids_of(row: Contradiction) -> list[str]:
     ids: Any = row.entry_ids
     return [str(i) for i in ids] if isinstance(ids, list) else []
+
+
+def open_by_user(session: Session, user_ids: Sequence[str]) -> dict[str, dict[str, Contradiction]]:
+    """:func:`open_by_key` for several users (one query): user id -> normalised key -> row."""
+    out: dict[str, dict[str, Contradiction]] = {uid: {} for uid in user_ids}
+    if user_ids:
+        rows = session.scalars(
+            select(Contradiction).where(Contradiction.user_id.in_(sorted(user_ids)), Contradiction.status == "open")
+        )
+        for row in rows:
+            out.setdefault(row.user_id, {})[row.norm_key] = row
+    return out
+
+
+def record_many(session: Session, found: Sequence[Mapping[str, Any]]) -> None:
+    """Several newly found contradictions (each as :func:`record`'s keyword arguments), one statement."""
+    if not found:
+        return
+    session.execute(
+        insert(Contradiction),
+        [
+            {
+                "user_id": f["user_id"],
+                "norm_key": f["norm_key"][:255],
+                "entry_ids": f["entry_ids"],
+                "fingerprint": f["fingerprint"],
+                "status": "closed" if f.get("closed") else "open",
+                "resolution": f["resolution"],
+                "found_run_id": f["run_id"],
+                "found_at": f["at"],
+                "closed_at": f["at"] if f.get("closed") else None,
+            }
+            for f in found
+        ],
+    )

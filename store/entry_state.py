@@ -22,8 +22,15 @@ from store.models import EntryState
 GDPR_PREFIX = "_gdpr_"
 
 
-def observe_recalls(session: Session, table: Table, user_id: str, at: datetime) -> None:
-    """Record the user's current ``access_count`` per entry, noting growth as a recall (one statement)."""
+def _of_users(table: Table, users: str | Collection[str]) -> ColumnElement[bool]:
+    """One user (a string) or several (any other collection)."""
+    if isinstance(users, str):
+        return table.c.user_id == users
+    return table.c.user_id.in_(sorted(users))
+
+
+def observe_recalls(session: Session, table: Table, users: str | Collection[str], at: datetime) -> None:
+    """Record the users' current ``access_count`` per entry, noting growth as a recall (one statement)."""
     count = func.coalesce(table.c.access_count, 0)
     source = select(
         table.c.id,
@@ -31,7 +38,7 @@ def observe_recalls(session: Session, table: Table, user_id: str, at: datetime) 
         count,
         case((count > 0, literal(at, EntryState.last_recalled_at.type)), else_=None),
         literal(at, EntryState.seen_at.type),
-    ).where(table.c.user_id == user_id)
+    ).where(_of_users(table, users))
     columns = ["entry_id", "user_id", "access_count_seen", "last_recalled_at", "seen_at"]
     # Both dialects' INSERT speak the same ON CONFLICT; only the constructor differs.
     dialect_insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
@@ -50,10 +57,11 @@ def observe_recalls(session: Session, table: Table, user_id: str, at: datetime) 
     )
 
 
-def forget_missing(session: Session, table: Table, user_id: str) -> int:
-    """Drop state rows of the user's entries that no longer exist."""
+def forget_missing(session: Session, table: Table, users: str | Collection[str]) -> int:
+    """Drop state rows of the users' entries that no longer exist."""
+    of_users = EntryState.user_id == users if isinstance(users, str) else EntryState.user_id.in_(sorted(users))
     gone = delete(EntryState).where(
-        EntryState.user_id == user_id,
+        of_users,
         ~select(table.c.id).where(table.c.id == EntryState.entry_id).correlate(EntryState).exists(),
     )
     return int(session.execute(gone).rowcount or 0)  # type: ignore[attr-defined]
@@ -70,13 +78,22 @@ def not_protected(table: Table, protected_categories: Collection[str]) -> Column
 
 def _stale(table: Table, cutoff: datetime, last_access_column: str | None) -> ColumnElement[bool]:
     touched = func.coalesce(table.c.updated_at, table.c.created_at)
-    recalled = (
+    # Not recalled: Reverie has looked at the entry, saw no recall since the cutoff, and
+    # the row's access_count is still the one it saw. The count is compared with the
+    # row itself, so when the application recalls the entry while the DELETE waits for
+    # its row lock, PostgreSQL's re-check of this condition on the new row version
+    # (READ COMMITTED) lets the entry live. An entry never looked at is not stale yet.
+    unrecalled = (
         select(EntryState.entry_id)
-        .where(EntryState.entry_id == table.c.id, EntryState.last_recalled_at >= cutoff)
+        .where(
+            EntryState.entry_id == table.c.id,
+            EntryState.access_count_seen >= func.coalesce(table.c.access_count, 0),
+            or_(EntryState.last_recalled_at.is_(None), EntryState.last_recalled_at < cutoff),
+        )
         .correlate(table)
         .exists()
     )
-    condition = and_(touched < cutoff, ~recalled)
+    condition = and_(touched < cutoff, unrecalled)
     if last_access_column:
         accessed = table.c[last_access_column]
         condition = and_(condition, or_(accessed.is_(None), accessed < cutoff))
@@ -85,7 +102,7 @@ def _stale(table: Table, cutoff: datetime, last_access_column: str | None) -> Co
 
 def prunable_where(
     table: Table,
-    user_id: str,
+    users: str | Collection[str],
     *,
     agent_cutoffs: Mapping[str, datetime | None],
     default_cutoff: datetime | None,
@@ -93,7 +110,8 @@ def prunable_where(
     protected_categories: Collection[str],
     last_access_column: str | None,
 ) -> ColumnElement[bool]:
-    """The set of the user's stale entries, each judged by its owner's policy.
+    """The set of the users' stale entries (one user id, or a collection of them), each
+    judged by its owner's policy.
 
     ``agent_cutoffs`` holds the agents with a policy of their own (None: they do not
     prune); everyone else, and unowned entries, use ``default_cutoff``. ``owners``
@@ -111,7 +129,7 @@ def prunable_where(
         branches.append(and_(others, _stale(table, default_cutoff, last_access_column)))
     if not branches:
         return false()
-    condition = and_(table.c.user_id == user_id, not_protected(table, protected_categories), or_(*branches))
+    condition = and_(_of_users(table, users), not_protected(table, protected_categories), or_(*branches))
     if owners is not None:
         condition = and_(condition, owner.in_(sorted(owners)))
     return condition
@@ -119,5 +137,4 @@ def prunable_where(
 
 def observe_access_counts(session: Session, table: Table, *, user_ids: Collection[str], at: datetime) -> None:
     """:func:`observe_recalls` for several users (a look taken at ``at``)."""
-    for user_id in user_ids:
-        observe_recalls(session, table, user_id, at)
+    observe_recalls(session, table, list(user_ids), at)

@@ -7,9 +7,10 @@ Plain SQL, so it works the same on PostgreSQL and on the demo's SQLite.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 
-from sqlalchemy import or_, update
+from sqlalchemy import or_, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -56,3 +57,47 @@ def release(session: Session, user_id: str, token: str) -> None:
         .where(UserState.user_id == user_id, UserState.lock_token == token)
         .values(locked_until=None, lock_token=None)
     )
+
+
+_PG_ENSURE = text(
+    "INSERT INTO dream_user_state (user_id, next_dream_at) SELECT unnest(CAST(:ids AS varchar[])), :at "
+    "ON CONFLICT (user_id) DO NOTHING"
+)
+# SKIP LOCKED: a row another transaction holds right now is left out instead of waited
+# for (and never deadlocks two chunks that share users); the caller retries those users
+# one by one with :func:`acquire`, which waits.
+_PG_ACQUIRE_MANY = text(
+    """
+WITH free AS (
+    SELECT user_id FROM dream_user_state
+    WHERE user_id = ANY(CAST(:ids AS varchar[]))
+      AND (locked_until IS NULL OR locked_until < :at OR lock_token = :token)
+    ORDER BY user_id
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE dream_user_state AS s SET locked_until = :until, lock_token = :token
+FROM free WHERE s.user_id = free.user_id
+RETURNING s.user_id
+"""
+)
+
+
+def acquire_many(session: Session, user_ids: Sequence[str], token: str, ttl: timedelta) -> list[str]:
+    """Take the leases of every free user among ``user_ids`` under one token (PostgreSQL,
+    two statements); returns the users leased, in order. Users whose lease is held, or
+    whose state row is locked at this moment, are left out."""
+    at = now()
+    ids = sorted(set(user_ids))
+    session.execute(_PG_ENSURE, {"ids": ids, "at": at})
+    taken = set(session.scalars(_PG_ACQUIRE_MANY, {"ids": ids, "at": at, "until": at + ttl, "token": token}))
+    return [uid for uid in ids if uid in taken]
+
+
+def release_many(session: Session, user_ids: Sequence[str], token: str) -> None:
+    """Give back the leases of ``user_ids`` still held under ``token`` (one statement)."""
+    if user_ids:
+        session.execute(
+            update(UserState)
+            .where(UserState.user_id.in_(sorted(user_ids)), UserState.lock_token == token)
+            .values(locked_until=None, lock_token=None)
+        )

@@ -11,12 +11,27 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, delete, func, insert, literal, literal_column, select, update
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    ColumnElement,
+    String,
+    Table,
+    and_,
+    case,
+    delete,
+    func,
+    insert,
+    literal,
+    literal_column,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -73,6 +88,33 @@ def remove_entries(
     return _remove_portable(session, table, where, reason=reason, source=source, run_id=run_id, signal_id=signal_id)
 
 
+def remove_entries_of_runs(
+    session: Session, table: Table, where: ColumnElement[bool], runs: Mapping[str, int], *, reason: str, source: str
+) -> list[Removed]:
+    """:func:`remove_entries` for several users' runs at once: each removed row is
+    archived and recorded under its own user's run (``runs``: user id -> run id), so
+    ``reverie restore --run`` puts back exactly that user's rows. Only rows of the users
+    in ``runs`` are removed. One statement on PostgreSQL.
+    """
+    if not runs:
+        return []
+    where = and_(table.c.user_id.in_(sorted(runs)), where)
+    if session.get_bind().dialect.name == "postgresql":
+        return _remove_pg(session, table, where, reason=reason, source=source, run_id=None, signal_id=None, runs=runs)
+    removed: list[Removed] = []
+    for user_id, run_id in runs.items():
+        removed += _remove_portable(
+            session,
+            table,
+            and_(table.c.user_id == user_id, where),
+            reason=reason,
+            source=source,
+            run_id=run_id,
+            signal_id=None,
+        )
+    return removed
+
+
 def _remove_pg(
     session: Session,
     table: Table,
@@ -82,15 +124,27 @@ def _remove_pg(
     source: str,
     run_id: int | None,
     signal_id: int | None,
+    runs: Mapping[str, int] | None = None,
 ) -> list[Removed]:
     at = now()
     gone = delete(table).where(where).returning(*table.c).cte("gone")
+    source_rows: Any = gone
+    run_of: ColumnElement[Any] = literal(run_id, ArchivedEntry.run_id.type)
+    if runs is not None:
+        # Each removed row goes to its own user's run.
+        users = sorted(runs)
+        owners = select(
+            func.unnest(literal(users, ARRAY(String))).label("user_id"),
+            func.unnest(literal([runs[u] for u in users], ARRAY(BigInteger))).label("run_id"),
+        ).cte("owners")
+        source_rows = gone.join(owners, owners.c.user_id == gone.c.user_id)
+        run_of = owners.c.run_id
     archived = (
         insert(ArchivedEntry)
         .from_select(
             ["run_id", "signal_id", "user_id", "entry_id", "reason", "row", "archived_at"],
             select(
-                literal(run_id, ArchivedEntry.run_id.type),
+                run_of,
                 literal(signal_id, ArchivedEntry.signal_id.type),
                 gone.c.user_id,
                 gone.c.id,
@@ -98,7 +152,7 @@ def _remove_pg(
                 # The whole row, including any columns the host added beyond the contract.
                 func.to_jsonb(literal_column("gone")),
                 literal(at, ArchivedEntry.archived_at.type),
-            ).select_from(gone),
+            ).select_from(source_rows),
         )
         .cte("archived")
     )
@@ -113,9 +167,9 @@ def _remove_pg(
                 literal("delete"),
                 literal(source),
                 literal(signal_id, Event.signal_id.type),
-                literal(run_id, Event.run_id.type),
+                run_of,
                 literal(at, Event.at.type),
-            ).select_from(gone),
+            ).select_from(source_rows),
         )
         .returning(Event.entry_id, Event.user_id, Event.key)
     ).add_cte(archived)
@@ -382,6 +436,43 @@ def user_entries(session: Session, table: Table, user_id: str, *, lock: bool = F
     stmt = select(table).where(table.c.user_id == user_id).order_by(table.c.created_at, table.c.id)
     if lock:
         stmt = stmt.with_for_update()
+    return list(session.execute(stmt).all())
+
+
+def contradiction_candidates(session: Session, table: Table, user_ids: Sequence[str]) -> list[Any]:
+    """The entries of ``user_ids`` that may contradict another, users' entries in order
+    (PostgreSQL, one query): every non-``_gdpr_`` entry whose user has another entry
+    with a loosely equal key (ASCII letters and digits, lowercased; every non-ASCII key
+    of a user counts as one key) and a different value. A superset of the entries that
+    contradiction detection groups, so the exact test stays in Python and reads far
+    fewer rows than every entry of every user.
+    """
+    if not user_ids:
+        return []
+    loose = case(
+        (
+            table.c.key.regexp_match("^[\\x01-\\x7f]*$"),
+            func.lower(func.regexp_replace(table.c.key, "[^A-Za-z0-9]", "", "g")),
+        ),
+        else_=literal("~"),
+    )
+    text_value = func.coalesce(table.c.value.cast(String), "null")
+    partition = [table.c.user_id, loose]
+    inner = (
+        select(
+            table,
+            func.min(text_value).over(partition_by=partition).label("lowest_value"),
+            func.max(text_value).over(partition_by=partition).label("highest_value"),
+        )
+        .where(table.c.user_id.in_(sorted(user_ids)), ~table.c.key.startswith("_gdpr_", autoescape=True))
+        .subquery()
+    )
+    columns = [inner.c[column.name] for column in table.c]
+    stmt = (
+        select(*columns)
+        .where(inner.c.lowest_value != inner.c.highest_value)
+        .order_by(inner.c.user_id, inner.c.created_at, inner.c.id)
+    )
     return list(session.execute(stmt).all())
 
 

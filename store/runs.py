@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
 from store.models import Run
@@ -59,3 +60,72 @@ def get_run(session: Session, run_id: int) -> Run | None:
 
 def runs_of(session: Session, user_id: str) -> list[Run]:
     return list(session.scalars(select(Run).where(Run.user_id == user_id).order_by(Run.id)))
+
+
+def start_runs(
+    session: Session, user_ids: Sequence[str], *, scope: str = "user", trigger: str = "manual"
+) -> dict[str, int]:
+    """One new ``running`` ledger row per user (one statement); returns user id -> run id."""
+    if not user_ids:
+        return {}
+    at = now()
+    rows = session.execute(
+        insert(Run).returning(Run.user_id, Run.id),
+        [
+            {"user_id": uid, "scope": scope, "trigger": trigger, "status": "running", "started_at": at}
+            for uid in user_ids
+        ],
+    )
+    return {row.user_id: int(row.id) for row in rows}
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One run's outcome for :func:`finish_runs`."""
+
+    run_id: int
+    status: str
+    counts: RunCounts
+    cost_nano: int = 0
+    error: str | None = None
+
+
+_PG_FINISH = text(
+    """
+UPDATE dream_runs AS r SET
+    status = v.status, finished_at = :at, entries_pruned = v.pruned, contradictions_found = v.found,
+    contradictions_resolved = v.resolved, entries_summarized = v.summarized, entries_written = v.written,
+    groups_deferred = v.deferred, cost_nano = v.cost, error = v.error
+FROM unnest(CAST(:ids AS bigint[]), CAST(:statuses AS varchar[]), CAST(:pruned AS int[]), CAST(:found AS int[]),
+            CAST(:resolved AS int[]), CAST(:summarized AS int[]), CAST(:written AS int[]), CAST(:deferred AS int[]),
+            CAST(:costs AS bigint[]), CAST(:errors AS text[]))
+     AS v(id, status, pruned, found, resolved, summarized, written, deferred, cost, error)
+WHERE r.id = v.id
+"""
+)
+
+
+def finish_runs(session: Session, finished: Sequence[Finished]) -> None:
+    """Close many ledger rows with their outcomes (one statement on PostgreSQL)."""
+    if not finished:
+        return
+    if session.get_bind().dialect.name != "postgresql":
+        for f in finished:
+            finish_run(session, f.run_id, status=f.status, counts=f.counts, cost_nano=f.cost_nano, error=f.error)
+        return
+    session.execute(
+        _PG_FINISH,
+        {
+            "at": now(),
+            "ids": [f.run_id for f in finished],
+            "statuses": [f.status for f in finished],
+            "pruned": [f.counts.entries_pruned for f in finished],
+            "found": [f.counts.contradictions_found for f in finished],
+            "resolved": [f.counts.contradictions_resolved for f in finished],
+            "summarized": [f.counts.entries_summarized for f in finished],
+            "written": [f.counts.entries_written for f in finished],
+            "deferred": [f.counts.groups_deferred for f in finished],
+            "costs": [f.cost_nano for f in finished],
+            "errors": [f.error[:2000] if f.error else None for f in finished],
+        },
+    )

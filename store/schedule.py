@@ -7,6 +7,7 @@ table and no state row yet (a host database Reverie has never seen).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -85,3 +86,18 @@ def mark_dreamed(session: Session, user_id: str, at: datetime, next_at: datetime
 def defer(session: Session, user_id: str, next_at: datetime) -> None:
     """Move a user's next due time without touching anything else."""
     session.execute(update(UserState).where(UserState.user_id == user_id).values(next_dream_at=next_at))
+
+
+def mark_dreamed_many(session: Session, user_ids: Sequence[str], at: datetime, next_at: datetime) -> None:
+    """:func:`mark_dreamed` for several users whose dreams started at ``at`` (one statement)."""
+    if not user_ids:
+        return
+    still_dirty = case((UserState.dirty_since > at, UserState.dirty_since), else_=None)
+    rows = [{"user_id": uid, "last_dream_at": at, "next_dream_at": next_at, "dirty_since": None} for uid in user_ids]
+    set_ = {"last_dream_at": at, "next_dream_at": next_at, "dirty_since": still_dirty}
+    if session.get_bind().dialect.name == "postgresql":
+        pg = pg_insert(UserState).values(rows)
+        session.execute(pg.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_))
+    else:
+        lite = sqlite_insert(UserState).values(rows)
+        session.execute(lite.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_))

@@ -14,8 +14,8 @@ import hashlib
 import json
 import re
 from collections import defaultdict
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from store import contradictions as store
 from store.entry_state import GDPR_PREFIX
-from store.memories import remove_entries, set_conflicted, table_for, user_entries
+from store.memories import contradiction_candidates, remove_entries, set_conflicted, table_for, user_entries
 from store.models import Contradiction
 from worker.policy import PolicyBook
 from worker.settings import Settings
@@ -67,7 +67,11 @@ def _newest_first(rows: list[Any]) -> list[Any]:
 
 @dataclass
 class _Pass:
-    """One detection pass over a user's entries (shared state of the helpers)."""
+    """One detection pass over a user's entries (shared state of the helpers).
+
+    Flags and newly found contradictions are collected in ``writes`` and written by
+    :meth:`_Writes.flush`, so a pass over many users costs a few statements.
+    """
 
     session: Session
     settings: Settings
@@ -76,22 +80,24 @@ class _Pass:
     book: PolicyBook
     at: datetime
     run_id: int | None
+    writes: _Writes
     found: int = 0
     resolved: int = 0
     removed: int = 0
 
     def record(self, norm_key: str, rows: list[Any], resolution: str, *, closed: bool = False) -> None:
         self.found += 1
-        store.record(
-            self.session,
-            user_id=self.user_id,
-            norm_key=norm_key,
-            entry_ids=[r.id for r in rows],
-            fingerprint=_fingerprint(rows),
-            run_id=self.run_id,
-            resolution=resolution,
-            at=self.at,
-            closed=closed,
+        self.writes.found.append(
+            {
+                "user_id": self.user_id,
+                "norm_key": norm_key,
+                "entry_ids": [r.id for r in rows],
+                "fingerprint": _fingerprint(rows),
+                "run_id": self.run_id,
+                "resolution": resolution,
+                "at": self.at,
+                "closed": closed,
+            }
         )
 
     def handle(self, norm_key: str, rows: list[Any], existing: Contradiction | None) -> None:
@@ -109,7 +115,7 @@ class _Pass:
             survivors = [r for r in rows if r not in losers]
             if _distinct_values(survivors) < 2:
                 # Resolved: the values that remain agree.
-                set_conflicted(self.session, self.table, [r.id for r in survivors], False)
+                self.writes.flag([r.id for r in survivors], False)
                 if existing is not None:
                     store.close(self.session, [existing.id], self.at)
                 else:
@@ -117,15 +123,67 @@ class _Pass:
                 self.resolved += 1
                 return
             rows = survivors
-        set_conflicted(self.session, self.table, [r.id for r in rows], True)
+        self.writes.flag([r.id for r in rows], True)
         if existing is None:
             self.record(norm_key, rows, "flag")
         elif existing.fingerprint != _fingerprint(rows):
             store.refresh(self.session, existing.id, [r.id for r in rows], _fingerprint(rows))
 
+    def close_stale(self, stale: list[Contradiction]) -> None:
+        for contradiction in stale:
+            self.writes.flag(store.entry_ids_of(contradiction), False)
+        store.close(self.session, [c.id for c in stale], self.at)
+
+    def counts(self) -> ContradictionCounts:
+        return ContradictionCounts(found=self.found, resolved=self.resolved, removed=self.removed)
+
+
+@dataclass
+class _Writes:
+    """Flag changes (the last one per entry wins) and new contradictions, written together."""
+
+    flags: dict[str, bool] = field(default_factory=dict)
+    found: list[dict[str, Any]] = field(default_factory=list)
+
+    def flag(self, entry_ids: list[str], value: bool) -> None:
+        for entry_id in entry_ids:
+            self.flags.pop(entry_id, None)
+            self.flags[entry_id] = value
+
+    def flush(self, session: Session, table: Table) -> None:
+        for value in (True, False):
+            set_conflicted(session, table, [i for i, v in self.flags.items() if v is value], value)
+        store.record_many(session, self.found)
+
 
 def _distinct_values(rows: list[Any]) -> int:
     return len({canonical_value(r.value) for r in rows})
+
+
+def _groups(rows: list[Any], book: PolicyBook, owners: Collection[str] | None) -> dict[str, list[Any]]:
+    groups: dict[str, list[Any]] = defaultdict(list)
+    for row in rows:
+        if row.key.startswith(GDPR_PREFIX) or not book.for_agent(row.source_agent_id).detects:
+            continue
+        if owners is None or row.source_agent_id in owners:
+            groups[normalise_key(row.key)].append(row)
+    return groups
+
+
+def _detect_user(
+    work: _Pass, groups: dict[str, list[Any]], already_open: dict[str, Contradiction], *, scoped: bool
+) -> None:
+    contradicting: set[str] = set()
+    for norm_key, rows in groups.items():
+        if _distinct_values(rows) >= 2:
+            contradicting.add(norm_key)
+            work.handle(norm_key, rows, already_open.pop(norm_key, None))
+    # What is still open but no longer disagrees (or is gone) is closed.
+    stale = list(already_open.values())
+    if scoped:
+        # An agent-scoped run only closes what it could see.
+        stale = [c for c in stale if c.norm_key in groups]
+    work.close_stale(stale)
 
 
 def detect(
@@ -140,28 +198,34 @@ def detect(
 ) -> ContradictionCounts:
     """Find, record, flag, resolve and close the user's contradictions (caller's transaction)."""
     table = table_for(settings)
-    groups: dict[str, list[Any]] = defaultdict(list)
-    for row in user_entries(session, table, user_id):
-        if row.key.startswith(GDPR_PREFIX) or not book.for_agent(row.source_agent_id).detects:
-            continue
-        if owners is None or row.source_agent_id in owners:
-            groups[normalise_key(row.key)].append(row)
+    groups = _groups(user_entries(session, table, user_id), book, owners)
+    writes = _Writes()
+    work = _Pass(session, settings, table, user_id, book, at, run_id, writes)
+    _detect_user(work, groups, store.open_by_key(session, user_id), scoped=owners is not None)
+    writes.flush(session, table)
+    return work.counts()
 
-    already_open = store.open_by_key(session, user_id)
-    work = _Pass(session, settings, table, user_id, book, at, run_id)
-    for norm_key, rows in groups.items():
-        if _distinct_values(rows) >= 2:
-            work.handle(norm_key, rows, already_open.pop(norm_key, None))
 
-    # What is still open but no longer disagrees (or is gone) is closed.
-    stale = list(already_open.values())
-    if owners is not None:
-        # An agent-scoped run only closes what it could see.
-        stale = [c for c in stale if c.norm_key in groups]
-    for contradiction in stale:
-        set_conflicted(session, table, store.entry_ids_of(contradiction), False)
-    store.close(session, [c.id for c in stale], at)
-    return ContradictionCounts(found=work.found, resolved=work.resolved, removed=work.removed)
+def detect_many(
+    session: Session, settings: Settings, runs: Mapping[str, int], *, book: PolicyBook, at: datetime
+) -> dict[str, ContradictionCounts]:
+    """:func:`detect` for several users' whole-user runs (``runs``: user id -> run id),
+    in the caller's transaction, from one read of the entries that may contradict
+    (PostgreSQL; see :func:`store.memories.contradiction_candidates`)."""
+    table = table_for(settings)
+    users = sorted(runs)
+    by_user: dict[str, list[Any]] = defaultdict(list)
+    for row in contradiction_candidates(session, table, users):
+        by_user[row.user_id].append(row)
+    already_open = store.open_by_user(session, users)
+    writes = _Writes()
+    counts: dict[str, ContradictionCounts] = {}
+    for user_id in users:
+        work = _Pass(session, settings, table, user_id, book, at, runs[user_id], writes)
+        _detect_user(work, _groups(by_user.get(user_id, []), book, None), already_open.get(user_id, {}), scoped=False)
+        counts[user_id] = work.counts()
+    writes.flush(session, table)
+    return counts
 
 
 def _losers(settings: Settings, book: PolicyBook, rows: list[Any]) -> list[Any]:

@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from store import locks, runs, schedule
 from store import policies as policy_store
 from store import spend as spend_store
-from store.db import session_scope
+from store.db import get_engine, session_scope
 from store.runs import RunCounts
 from store.spend import BudgetLine
 from store.types import nano_to_usd, now, usd_to_nano
-from tasks.contradictions import detect
-from tasks.prune import prune_user
+from tasks.contradictions import detect, detect_many
+from tasks.prune import prune_user, prune_users
 from tasks.summarize import SummaryCounts, summarize_user
 from worker import budget, metrics
-from worker.errors import PermanentError, UserBusy
+from worker.errors import DatabaseUnavailable, PermanentError, TransientError, UserBusy
 from worker.logs import get_logger, user_ref
 from worker.policy import PolicyBook, book
 from worker.settings import Settings
@@ -65,6 +65,13 @@ def lease_ttl(settings: Settings) -> timedelta:
     return timedelta(seconds=max(600.0, 4 * settings.llm_timeout_seconds))
 
 
+def _budget_line(policies: PolicyBook, run_id: int) -> BudgetLine:
+    # The run's total budget: the largest maxCostPerRun among its policies (each
+    # agent's own cap is a line of its own, see worker.budget).
+    caps = [policies.default.maxCostPerRun, *(p.maxCostPerRun for p in policies.agents.values())]
+    return BudgetLine("run", budget.run_key(run_id), usd_to_nano(max(caps)))
+
+
 def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", agent_id: str | None = None) -> RunOutcome:
     """Dream for one user (or, with ``agent_id``, for one agent's entries of that user,
     all of them if that agent's policy has ``crossAgentMaintenance``).
@@ -84,10 +91,7 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
         policies = book(settings, policy_store.all_configs(session))
         scope = "user" if agent_id is None else f"agent:{agent_id}"[:32]
         run_id = runs.start_run(session, user_id, scope=scope, trigger=trigger)
-        # The run's total budget: the largest maxCostPerRun among its policies (each
-        # agent's own cap is a line of its own, see worker.budget).
-        caps = [policies.default.maxCostPerRun, *(p.maxCostPerRun for p in policies.agents.values())]
-        spend_store.ensure_lines(session, [BudgetLine("run", budget.run_key(run_id), usd_to_nano(max(caps)))])
+        spend_store.ensure_lines(session, [_budget_line(policies, run_id)])
     started = time.monotonic()
     outcome = RunOutcome(user_id=user_id, status="running", run_id=run_id)
     try:
@@ -113,37 +117,75 @@ def _run(
     run_id = outcome.run_id
     assert run_id is not None
     owners = _owners(policies, agent_id)
-
-    def keep_alive() -> None:
-        with session_scope(settings) as s:
-            locks.renew(s, user_id, token, ttl)
-
     try:
-        # Pruning and contradictions are set-based and quick: one transaction.
-        with session_scope(settings) as session:
-            outcome.entries_pruned = prune_user(
-                session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id
-            )
-            found = detect(session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id)
-        outcome.contradictions_found = found.found
-        outcome.contradictions_resolved = found.resolved
-        if any(p.summarizes for p in (policies.default, *policies.agents.values())):
-            summary: SummaryCounts = summarize_user(
-                settings, user_id, book=policies, owners=owners, run_id=run_id, keep_alive=keep_alive
-            )
-            outcome.entries_summarized = summary.summarized
-            outcome.entries_written = summary.written
-            outcome.groups_deferred = summary.deferred
+        _prune_and_detect(settings, user_id, policies=policies, owners=owners, at=at, outcome=outcome)
+        _summarize(settings, user_id, token=token, ttl=ttl, policies=policies, owners=owners, outcome=outcome)
         outcome.status = "succeeded"
     except PermanentError as exc:
         outcome.status = "failed"
         outcome.error = str(exc)
     except Exception as exc:
-        outcome.status = "failed"
-        outcome.error = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+        _fail(outcome, exc)
         _finish(settings, user_id, run_id, at, outcome)
         raise
     _finish(settings, user_id, run_id, at, outcome)
+
+
+def _fail(outcome: RunOutcome, exc: Exception) -> None:
+    outcome.status = "failed"
+    outcome.error = str(exc) if isinstance(exc, PermanentError) else f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+
+
+def _prune_and_detect(
+    settings: Settings,
+    user_id: str,
+    *,
+    policies: PolicyBook,
+    owners: Collection[str] | None,
+    at: datetime,
+    outcome: RunOutcome,
+) -> None:
+    run_id = outcome.run_id
+    # Pruning and contradictions are set-based and quick: one transaction.
+    with session_scope(settings) as session:
+        outcome.entries_pruned = prune_user(
+            session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id
+        )
+        found = detect(session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id)
+    outcome.contradictions_found = found.found
+    outcome.contradictions_resolved = found.resolved
+
+
+def _summarizes(policies: PolicyBook) -> bool:
+    return any(p.summarizes for p in (policies.default, *policies.agents.values()))
+
+
+def _summarize(
+    settings: Settings,
+    user_id: str,
+    *,
+    token: str,
+    ttl: timedelta,
+    policies: PolicyBook,
+    owners: Collection[str] | None,
+    outcome: RunOutcome,
+) -> None:
+    """Summarization, per user, outside any transaction (model calls), where a policy enables it."""
+    if not _summarizes(policies):
+        return
+    assert outcome.run_id is not None
+
+    def keep_alive() -> None:
+        with session_scope(settings) as s:
+            locks.renew(s, user_id, token, ttl)
+
+    summary: SummaryCounts = summarize_user(
+        settings, user_id, book=policies, owners=owners, run_id=outcome.run_id, keep_alive=keep_alive
+    )
+    outcome.entries_summarized = summary.summarized
+    outcome.entries_written = summary.written
+    outcome.groups_deferred = summary.deferred
+    outcome.error = summary.note()  # the ledger says what was deferred, and why
 
 
 def _owners(policies: PolicyBook, agent_id: str | None) -> Collection[str] | None:
@@ -163,6 +205,12 @@ def _finish(settings: Settings, user_id: str, run_id: int, started: datetime, ou
         if outcome.groups_deferred:
             # Work left over (budget, transient errors) is carried to the next pass.
             schedule.mark_dirty(session, user_id)
+    _report(settings, outcome)
+
+
+def _report(settings: Settings, outcome: RunOutcome) -> None:
+    """Metrics and the log line of one finished run."""
+    user_id, run_id = outcome.user_id, outcome.run_id
     if outcome.status == "failed":
         metrics.CYCLES_FAILED.inc()
         log.warning("dream_failed", user=user_ref(user_id, settings.log_hash_key), run_id=run_id, error=outcome.error)
@@ -181,3 +229,171 @@ def _finish(settings: Settings, user_id: str, run_id: int, started: datetime, ou
             deferred=outcome.groups_deferred,
             cost_usd=outcome.cost_usd,
         )
+
+
+# -- a chunk of users at once ---------------------------------------------------------
+
+
+def dream_users(
+    settings: Settings,
+    user_ids: Sequence[str],
+    *,
+    trigger: str = "schedule",
+    interrupts: tuple[type[BaseException], ...] = (),
+    budget_seconds: float | None = None,
+) -> list[RunOutcome]:
+    """Whole-user dream runs for a chunk of users (the dispatcher's ``dream.run_users``
+    and ``reverie run``), with the same promises as :func:`dream_user` for each.
+
+    On PostgreSQL the chunk's database work is set-based: one transaction takes the
+    leases of every free user, opens their ledger rows; one prunes and detects
+    contradictions for all of them (each removed row archived under its own user's
+    run); one closes the runs, moves the schedule and gives the leases back. Model
+    calls (summarization) stay per user and run only where a policy enables them. If
+    the chunk's transaction fails, each user is retried on their own, so one user's bad
+    data does not cost the others their run. Users whose lease is held elsewhere come
+    back ``skipped``. ``interrupts`` (the soft time limit) stop the summarization (that
+    user's run fails, without raising); the users left are marked dirty and picked up
+    by the next pass, as are those left when summarization has used ``budget_seconds``.
+    """
+    ids = list(dict.fromkeys(user_ids))
+    if not ids:
+        return []
+    if get_engine(settings).dialect.name != "postgresql":
+        return [dream_user(settings, user_id, trigger=trigger) for user_id in ids]
+    token = str(uuid.uuid4())
+    ttl = lease_ttl(settings)
+    at = now()
+    with session_scope(settings) as session:
+        leased = locks.acquire_many(session, ids, token, ttl)
+        policies = book(settings, policy_store.all_configs(session))
+        run_ids = runs.start_runs(session, leased, scope="user", trigger=trigger)
+        if _summarizes(policies):
+            spend_store.ensure_lines(session, [_budget_line(policies, run_id) for run_id in run_ids.values()])
+    chunk = _Chunk(settings, token, ttl, at, policies, {u: RunOutcome(u, "running", run_id=run_ids[u]) for u in leased})
+    started = time.monotonic()
+    try:
+        chunk.prune_and_detect()
+        chunk.summarize(interrupts, budget_seconds)
+    finally:
+        chunk.finish(time.monotonic() - started)
+    # A user left out was busy or had their schedule row locked at that instant: the
+    # one-user path waits for the row and then runs, or says skipped.
+    done = chunk.outcomes
+    return [done[u] if u in done else dream_user(settings, u, trigger=trigger) for u in ids]
+
+
+@dataclass
+class _Chunk:
+    """The shared state of one chunk's runs (see :func:`dream_users`)."""
+
+    settings: Settings
+    token: str
+    ttl: timedelta
+    at: datetime
+    policies: PolicyBook
+    outcomes: dict[str, RunOutcome]
+    carried: list[str] = field(default_factory=list)
+
+    def run_ids(self) -> dict[str, int]:
+        return {u: o.run_id for u, o in self.outcomes.items() if o.run_id is not None and o.status == "running"}
+
+    def prune_and_detect(self) -> None:
+        run_ids = self.run_ids()
+        try:
+            with session_scope(self.settings) as session:
+                pruned = prune_users(session, self.settings, run_ids, book=self.policies, at=self.at)
+                found = detect_many(session, self.settings, run_ids, book=self.policies, at=self.at)
+        except (TransientError, DatabaseUnavailable):
+            for outcome in self.outcomes.values():
+                _fail(outcome, TransientError("the database went away during the chunk"))
+            raise
+        except Exception as exc:
+            # Rolled back: nothing of the chunk was written. Each user on their own now.
+            log.warning("dream.chunk_fallback", users=len(run_ids), error_type=type(exc).__name__)
+            self._one_by_one()
+            return
+        for user_id, outcome in self.outcomes.items():
+            outcome.entries_pruned = pruned[user_id]
+            outcome.contradictions_found = found[user_id].found
+            outcome.contradictions_resolved = found[user_id].resolved
+
+    def _one_by_one(self) -> None:
+        for user_id, outcome in self.outcomes.items():
+            try:
+                _prune_and_detect(
+                    self.settings, user_id, policies=self.policies, owners=None, at=self.at, outcome=outcome
+                )
+            except (TransientError, DatabaseUnavailable):
+                raise
+            except Exception as exc:
+                # Named by type only: a driver's message can quote the row it failed on.
+                log.error("dream.user_failed", user=user_ref(user_id), error_type=type(exc).__name__)
+                _fail(outcome, exc)
+
+    def summarize(self, interrupts: tuple[type[BaseException], ...], budget_seconds: float | None) -> None:
+        pending = [o for o in self.outcomes.values() if o.status == "running"]
+        started = time.monotonic()
+        for index, outcome in enumerate(pending):
+            if budget_seconds is not None and index and time.monotonic() - started >= budget_seconds:
+                self._carry(pending[index:])
+                return
+            try:
+                _summarize(
+                    self.settings,
+                    outcome.user_id,
+                    token=self.token,
+                    ttl=self.ttl,
+                    policies=self.policies,
+                    owners=None,
+                    outcome=outcome,
+                )
+                outcome.status = "succeeded"
+            except interrupts as exc:
+                # The soft time limit: stop here, close the runs, and let the task end.
+                _fail(outcome, TransientError(f"interrupted: {type(exc).__name__}"))
+                self._carry(pending[index + 1 :])
+                return
+            except Exception as exc:
+                if not isinstance(exc, PermanentError):
+                    log.error("dream.user_failed", user=user_ref(outcome.user_id), error_type=type(exc).__name__)
+                _fail(outcome, exc)
+
+    def _carry(self, rest: list[RunOutcome]) -> None:
+        # Pruned and checked, not summarized (time is up): the next pass summarizes them.
+        for outcome in rest:
+            outcome.status = "succeeded"
+            self.carried.append(outcome.user_id)
+
+    def finish(self, elapsed: float) -> None:
+        """Close every run of the chunk, move the schedule, give the leases back: one transaction."""
+        outcomes = list(self.outcomes.values())
+        for outcome in outcomes:
+            if outcome.status == "running":
+                outcome.status = "failed"
+                outcome.error = outcome.error or "the chunk stopped before this run finished"
+        with session_scope(self.settings) as session:
+            costs: dict[int, int] = {}
+            for outcome in outcomes:
+                if outcome.run_id is not None and _summarizes(self.policies):
+                    # Only a run that may have called the model has spend to read.
+                    costs[outcome.run_id] = spend_store.spent_nano(session, "run", budget.run_key(outcome.run_id))
+                    outcome.cost_usd = nano_to_usd(costs[outcome.run_id])
+            runs.finish_runs(
+                session,
+                [
+                    runs.Finished(o.run_id, o.status, o.counts(), costs.get(o.run_id, 0), o.error)
+                    for o in outcomes
+                    if o.run_id is not None
+                ],
+            )
+            next_at = now() + timedelta(hours=self.settings.dream_interval_hours)
+            schedule.mark_dreamed_many(session, sorted(self.outcomes), self.at, next_at)
+            for user_id in sorted({o.user_id for o in outcomes if o.groups_deferred} | set(self.carried)):
+                # Work left over (budget, time, transient errors) is carried to the next pass.
+                schedule.mark_dirty(session, user_id)
+            locks.release_many(session, sorted(self.outcomes), self.token)
+        for outcome in outcomes:
+            # The chunk's wall time, shared out: what one user's run cost.
+            metrics.DURATION.observe(elapsed / len(outcomes))
+            _report(self.settings, outcome)

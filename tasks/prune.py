@@ -7,13 +7,13 @@ transaction; ``_gdpr_`` keys and protected categories are never touched.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
 from store import entry_state
-from store.memories import remove_entries, table_for
+from store.memories import remove_entries, remove_entries_of_runs, table_for
 from worker.policy import Policy, PolicyBook
 from worker.settings import Settings
 
@@ -51,3 +51,31 @@ def prune_user(
     removed = remove_entries(session, table, where, reason="prune", source="prune", run_id=run_id)
     entry_state.forget_missing(session, table, user_id)
     return len(removed)
+
+
+def prune_users(
+    session: Session, settings: Settings, runs: Mapping[str, int], *, book: PolicyBook, at: datetime
+) -> dict[str, int]:
+    """:func:`prune_user` for several users' whole-user runs at once (``runs``: user id
+    -> run id), in the caller's transaction: one recall look, one archive-then-delete
+    (each row archived under its own user's run) and one clean-up for all of them.
+    Returns how many entries each user lost."""
+    table = table_for(settings)
+    users = sorted(runs)
+    counts = dict.fromkeys(users, 0)
+    if not users:
+        return counts
+    entry_state.observe_recalls(session, table, users, at)
+    where = entry_state.prunable_where(
+        table,
+        users,
+        agent_cutoffs={agent: _cutoff(policy, at) for agent, policy in book.agents.items()},
+        default_cutoff=_cutoff(book.default, at),
+        owners=None,
+        protected_categories=settings.protected_category_set,
+        last_access_column=settings.memory_last_access_column,
+    )
+    for removed in remove_entries_of_runs(session, table, where, runs, reason="prune", source="prune"):
+        counts[removed.user_id] += 1
+    entry_state.forget_missing(session, table, users)
+    return counts

@@ -21,7 +21,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from schedules import dispatcher, sweeper
 from tasks.activity import detect_routines
-from tasks.dream import dream_user
+from tasks.dream import dream_user, dream_users
 from tasks.signals import process_signal
 from worker.app import app
 from worker.errors import BrokerUnavailable, DatabaseUnavailable, TransientError
@@ -69,20 +69,26 @@ def run_user(user_id: str) -> str:
 
 @task("dream.run_users", bind=True, soft_time_limit=1500, time_limit=1800, max_retries=8)
 def run_users(self: Task, user_ids: list[str]) -> dict[str, int]:
-    """A chunk of dispatched users, dreamed in turn (see :func:`dispatcher.run_chunk`)."""
+    """A chunk of dispatched users, dreamed together (see :func:`tasks.dream.dream_users`)."""
     settings = get_settings()
-    result = dispatcher.run_chunk(
-        user_ids,
-        lambda user_id: dream_user(settings, user_id, trigger="schedule"),
-        budget_seconds=CHUNK_BUDGET_SECONDS,
-        interrupts=(SoftTimeLimitExceeded,),
-    )
-    if result.remaining and result.transient is not None:
+    try:
+        outcomes = dream_users(
+            settings,
+            user_ids,
+            trigger="schedule",
+            interrupts=(SoftTimeLimitExceeded,),
+            budget_seconds=CHUNK_BUDGET_SECONDS,
+        )
+    except TRANSIENT as exc:
         countdown = min(5 * 2**self.request.retries, RETRY_BACKOFF_MAX)
-        raise self.retry(args=[result.remaining], exc=result.transient, countdown=countdown)
-    if result.remaining:
-        send_user_runs(settings, result.remaining)
-    return {"dreamed": result.dreamed, "busy": result.busy, "failed": result.failed, "handed_on": len(result.remaining)}
+        raise self.retry(args=[user_ids], exc=exc, countdown=countdown) from exc
+    statuses = [o.status for o in outcomes]
+    return {
+        "dreamed": statuses.count("succeeded"),
+        "busy": statuses.count("skipped"),
+        "failed": statuses.count("failed"),
+        "handed_on": 0,
+    }
 
 
 @task("schedules.dispatch", soft_time_limit=100, time_limit=120)
