@@ -69,6 +69,23 @@ def reserve(session: Session, lines: list[BudgetLine], amount_nano: int) -> None
             raise Refused(line, remaining_nano(session, line))
 
 
+def lock_headroom(session: Session, lines: list[BudgetLine]) -> tuple[BudgetLine, int]:
+    """Lock the budget rows (in the list's order, as :func:`reserve` does) and return
+    the tightest line with what it has left; the caller's transaction keeps the locks,
+    so a reservation sized from this answer cannot be overtaken on PostgreSQL."""
+    tightest, least = lines[0], None
+    for line in lines:
+        row = session.execute(
+            select(Spend.limit_nano, Spend.reserved_nano, Spend.spent_nano)
+            .where(Spend.scope == line.scope, Spend.scope_key == line.key)
+            .with_for_update()
+        ).first()
+        left = line.limit_nano if row is None else int(row.limit_nano) - int(row.reserved_nano) - int(row.spent_nano)
+        if least is None or left < least:
+            tightest, least = line, left
+    return tightest, max(0, least or 0)
+
+
 def settle(session: Session, lines: list[BudgetLine], reserved_nano: int, spent_nano: int) -> None:
     """Turn a reservation into spend: ``spent_nano`` (at most ``reserved_nano``) is
     recorded and the rest is released."""

@@ -6,34 +6,52 @@ visible wider than its sources and never mixes two agents' ``self`` entries. Gro
 of at least ``summarizeMinEntries`` become at most ``summarizeTargetEntries`` entries.
 Each model call happens outside any transaction; the replacement is one transaction
 afterwards (see :mod:`store.summaries`).
+
+A reply replaces its group whole or not at all: a reply that is not JSON, is cut off,
+holds an unusable item, a value over 1,000 characters or more items than the target
+leaves the group untouched and deferred (a summary that silently lost part of the reply would
+replace the originals by less than they said). Under the cost cap, when the budget
+left cannot pay for a full output ceiling, the call is made with a smaller one (never
+below what the group's own keys and values take) and the smaller groups that follow
+are still tried; the run's ledger row counts the deferred groups (and says why).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from store.db import session_scope
 from store.entry_state import GDPR_PREFIX
 from store.memories import table_for, user_entries
 from store.summaries import NewEntry, replace_group
+from store.types import usd_to_nano
 from worker import metrics
 from worker.errors import BudgetExhausted, TransientError
 from worker.logs import get_logger, user_ref
 from worker.policy import PolicyBook
 from worker.settings import Settings
 
+if TYPE_CHECKING:
+    from worker.llm import LlmReply
+
 log = get_logger(__name__)
 
 MAX_KEY = 100
 MAX_VALUE = 1000
+#: Output tokens allowed on top of the group's own keys and values (JSON framing).
+OUTPUT_SLACK_TOKENS = 16
 _FENCE = re.compile(r"```[a-zA-Z0-9_-]*\s*(.*?)```", re.DOTALL)
 
 GroupKey = tuple[str | None, str, str, str]
+
+
+class UnusableReply(ValueError):
+    """A summary reply that cannot replace its group whole; the message says why."""
 
 
 @dataclass
@@ -43,6 +61,15 @@ class SummaryCounts:
     deferred: int = 0
     cost_usd: float = 0.0
     budget_scope: str | None = None
+    #: Why groups were deferred to the next run, with counts.
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def note(self) -> str | None:
+        """One line for the run's ledger: what was deferred and why (None: nothing was)."""
+        if not self.reasons:
+            return None
+        parts = [f"{count} x {reason}" for reason, count in self.reasons.most_common(5)]
+        return f"summarize: {self.deferred} group(s) deferred: " + "; ".join(parts)
 
 
 def _value_text(value: Any) -> str:
@@ -106,41 +133,67 @@ def build_messages(rows: list[Any], target: int) -> list[dict[str, str]]:
 
 
 def parse_reply(text: str, target: int | None = None) -> list[NewEntry]:
-    """The model's items, defensively: fences stripped, items without key or value
-    dropped, keys cut to 100 characters and values to 1,000 (at most ``target`` if given)."""
+    """The model's summary items, all or nothing; raises :class:`UnusableReply`.
+
+    Tolerated: code fences, prose around the JSON, a wrapper object (``entries``,
+    ``items`` or ``memories``), non-string values (kept as JSON text). Refused, for the
+    whole reply: no JSON, no items, an item without a non-empty string key and a value,
+    a key over 100 characters, reserved (``_gdpr_``) or repeated, a value over 1,000
+    characters, more than ``target`` items.
+    """
+    data = _json_of(text)
+    if isinstance(data, dict):
+        data = next((data[k] for k in ("entries", "items", "memories") if isinstance(data.get(k), list)), [data])
+    if not isinstance(data, list):
+        raise UnusableReply("the reply holds no JSON array of entries")
+    if not data:
+        raise UnusableReply("the reply has no entries")
+    if target is not None and len(data) > target:
+        raise UnusableReply(f"the reply has {len(data)} entries, more than the target of {target}")
+    items: list[NewEntry] = []
+    seen: set[str] = set()
+    for item in data:
+        key = item.get("key") if isinstance(item, dict) else None
+        value = item.get("value") if isinstance(item, dict) else None
+        if not isinstance(key, str) or not key.strip() or value is None or value == "":
+            raise UnusableReply("an entry of the reply has no key or no value")
+        key = key.strip()
+        if len(key) > MAX_KEY or key.startswith(GDPR_PREFIX) or key in seen:
+            raise UnusableReply("an entry's key is too long, reserved or repeated")
+        text_value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        if len(text_value) > MAX_VALUE:
+            raise UnusableReply(f"an entry's value is longer than {MAX_VALUE} characters")
+        items.append(NewEntry(key=key, value=text_value))
+        seen.add(key)
+    return items
+
+
+def _json_of(text: str) -> Any:
     body = text.strip()
     fenced = _FENCE.search(body)
     if fenced:
         body = fenced.group(1).strip()
     try:
-        data = json.loads(body)
-    except ValueError:
-        start, end = body.find("["), body.rfind("]")
-        if start < 0 or end <= start:
-            return []
-        try:
-            data = json.loads(body[start : end + 1])
-        except ValueError:
-            return []
-    if isinstance(data, dict):
-        data = next((data[k] for k in ("entries", "items", "memories") if isinstance(data.get(k), list)), [data])
-    if not isinstance(data, list):
-        return []
-    items: list[NewEntry] = []
-    seen: set[str] = set()
-    for item in data:
-        if not isinstance(item, dict):
-            continue
-        key, value = item.get("key"), item.get("value")
-        if not isinstance(key, str) or not key.strip() or value is None or value == "":
-            continue
-        key = key.strip()[:MAX_KEY]
-        if key.startswith(GDPR_PREFIX) or key in seen:
-            continue
-        text_value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        items.append(NewEntry(key=key, value=text_value[:MAX_VALUE]))
-        seen.add(key)
-    return items if target is None else items[:target]
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        pass
+    start, end = body.find("["), body.rfind("]")
+    if start < 0 or end <= start:
+        raise UnusableReply("the reply is not JSON")
+    try:
+        return json.loads(body[start : end + 1])
+    except (ValueError, RecursionError):
+        raise UnusableReply("the reply is not JSON") from None
+
+
+def min_output_tokens(settings: Settings, group: list[Any]) -> int:
+    """The smallest output ceiling worth a call: about what the group's keys and values
+    take (a summary that keeps every fact needs about as much), at most the setting."""
+    from worker import llm
+
+    entries = [{"key": row.key, "value": _value_text(row.value)} for row in group]
+    needed = llm.count_text_tokens(settings, json.dumps(entries, ensure_ascii=False)) + OUTPUT_SLACK_TOKENS
+    return min(settings.llm_max_output_tokens, needed)
 
 
 def summarize_user(
@@ -154,51 +207,91 @@ def summarize_user(
 ) -> SummaryCounts:
     """Summarize the user's groups; model errors other than transient ones propagate.
 
-    Transient model errors and groups changed meanwhile are deferred to the next run;
-    when a budget runs out, the call is not made and every remaining group is deferred.
+    Transient model errors, unusable replies (the group is left unchanged), groups
+    changed meanwhile and groups the budget cannot pay for are deferred to the next run.
     """
-    from worker import llm
-
     table = table_for(settings)
     with session_scope(settings) as session:
         rows = user_entries(session, table, user_id)
-    groups = groups_of(rows, settings, book, owners)
-    counts = SummaryCounts()
-    for index, group in enumerate(groups):
+    step = _Pass(settings, user_id, run_id, table)
+    for group in groups_of(rows, settings, book, owners):
         keep_alive()
-        agent = group[0].source_agent_id
-        target = book.for_agent(agent).summarizeTargetEntries
+        step.summarize(group, book.for_agent(group[0].source_agent_id).summarizeTargetEntries)
+    return step.counts
+
+
+class _Pass:
+    """One user's summarization pass: the counts, and what the budget had left."""
+
+    def __init__(self, settings: Settings, user_id: str, run_id: int | None, table: Any) -> None:
+        self.settings, self.user_id, self.run_id, self.table = settings, user_id, run_id, table
+        self.counts = SummaryCounts()
+        # What the tightest budget had left when it last refused a call: later (smaller)
+        # groups are tried only if their least reservation fits it.
+        self.budget_left: int | None = None
+
+    def _defer(self, reason: str) -> None:
+        self.counts.deferred += 1
+        self.counts.reasons[reason[:160]] += 1
+        log.info("summarize_group_deferred", user=user_ref(self.user_id), reason=reason[:200])
+
+    def summarize(self, group: list[Any], target: int) -> None:
+        reply = self._call(group, target)
+        if reply is None:
+            return
+        try:
+            items = parse_reply(reply.text, target)
+        except UnusableReply as exc:
+            self._defer(f"unusable reply: {exc}")
+            return
+        if len(items) >= len(group):
+            return  # no smaller than what it would replace: leave the group
+        with session_scope(self.settings) as session:
+            new_ids = replace_group(session, self.table, group, items, run_id=self.run_id)
+        if new_ids is None:
+            self._defer("changed while summarized")
+            return
+        self.counts.summarized += len(group)
+        self.counts.written += len(new_ids)
+        metrics.MEMORY_WRITES.labels(source="summarize", action="insert").inc(len(new_ids))
+        metrics.MEMORY_WRITES.labels(source="summarize", action="delete").inc(len(group))
+
+    def _call(self, group: list[Any], target: int) -> LlmReply | None:
+        """The model's reply for the group, or None (deferred, and counted)."""
+        from worker import llm
+
+        settings = self.settings
+        messages = build_messages(group, target)
+        floor = min_output_tokens(settings, group)
+        if self.budget_left is not None and llm.reservation_floor_nano(settings, messages, floor) > self.budget_left:
+            self.counts.deferred += 1
+            self.counts.reasons[f"{self.counts.budget_scope} budget exhausted"] += 1
+            return None
         try:
             reply = llm.complete(
                 settings,
                 purpose="summarize",
-                messages=build_messages(group, target),
+                messages=messages,
                 max_tokens=settings.llm_max_output_tokens,
-                run_id=run_id,
-                agent_id=agent,
+                min_tokens=floor,
+                run_id=self.run_id,
+                agent_id=group[0].source_agent_id,
             )
         except BudgetExhausted as exhausted:
-            counts.deferred += len(groups) - index
-            counts.budget_scope = exhausted.scope
-            log.info("summarize_budget_exhausted", user=user_ref(user_id), scope=exhausted.scope)
-            break
+            if self.budget_left is None:
+                log.info("summarize_budget_exhausted", user=user_ref(self.user_id), scope=exhausted.scope)
+            self.counts.deferred += 1
+            self.counts.budget_scope = exhausted.scope
+            self.counts.reasons[f"{exhausted.scope} budget exhausted"] += 1
+            self.budget_left = usd_to_nano(exhausted.remaining)
+            return None
+        except llm.MalformedReply as exc:
+            self._defer(f"unusable reply: {exc.reason}")
+            return None
         except TransientError as exc:
-            counts.deferred += 1
-            log.info("summarize_group_deferred", user=user_ref(user_id), reason=str(exc)[:200])
-            continue
-        counts.cost_usd += reply.cost_usd
-        items = parse_reply(reply.text)
-        if not items or len(items) >= len(group):
-            # Nothing usable, or no smaller than what it would replace: leave the group.
-            continue
-        items = items[:target]
-        with session_scope(settings) as session:
-            new_ids = replace_group(session, table, group, items, run_id=run_id)
-        if new_ids is None:
-            counts.deferred += 1
-            continue
-        counts.summarized += len(group)
-        counts.written += len(new_ids)
-        metrics.MEMORY_WRITES.labels(source="summarize", action="insert").inc(len(new_ids))
-        metrics.MEMORY_WRITES.labels(source="summarize", action="delete").inc(len(group))
-    return counts
+            self._defer(str(exc))
+            return None
+        self.counts.cost_usd += reply.cost_usd
+        if self.budget_left is not None:
+            self.budget_left = max(0, self.budget_left - usd_to_nano(reply.cost_usd))
+        return reply

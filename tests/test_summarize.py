@@ -12,7 +12,7 @@ from sqlalchemy import select
 from store.db import session_scope
 from store.models import ArchivedEntry
 from tasks.dream import dream_user
-from tasks.summarize import groups_of, parse_reply
+from tasks.summarize import UnusableReply, groups_of, parse_reply
 from tests.dream_seed import entries_of, entry, seed
 from worker import offline_model
 from worker.policy import book
@@ -68,24 +68,43 @@ def test_fenced_reply_is_parsed(pg_settings: Settings, monkeypatch: pytest.Monke
     assert [r["value"] for r in entries_of(pg_settings, "u1").values()] == ["six trips"]
 
 
-def test_oversized_reply_is_cut_and_capped(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = pg_settings.model_copy(update={"llm_max_output_tokens": 16000})
-    seed(settings, _six())
-    items = [{"key": str(i) + "k" * 300, "value": "v" * 5000} for i in range(4)]
-    _script(monkeypatch, json.dumps([{"key": "no value"}, {"value": "no key"}, *items]))
+@pytest.mark.parametrize(
+    "items",
+    [
+        [{"key": "a", "value": "v" * 1001}],
+        [{"key": "k" * 101, "value": "v"}],
+        [{"key": "a", "value": "v"}, {"key": "b", "value": "w"}, {"key": "c", "value": "x"}],
+        [{"key": "a", "value": "v"}, {"key": "no value"}],
+        [{"key": "a", "value": "v"}, {"key": "a", "value": "w"}],
+    ],
+    ids=["value-over-1000", "key-over-100", "over-target", "item-without-value", "repeated-key"],
+)
+def test_a_reply_that_would_lose_facts_replaces_nothing(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, items: list[dict[str, str]]
+) -> None:
+    # Cutting a value, dropping an item or an entry beyond the target would replace
+    # the originals by less than the model said: the whole reply is refused.
+    settings = pg_settings.model_copy(update={"llm_max_output_tokens": 4000})
+    originals = seed(settings, _six())
+    _script(monkeypatch, json.dumps(items))
     outcome = dream_user(settings, "u1")
-    assert outcome.entries_written == 2
-    rows = list(entries_of(settings, "u1").values())
-    assert all(len(r["key"]) <= 100 and len(r["value"]) == 1000 for r in rows)
+    assert (outcome.status, outcome.entries_summarized, outcome.groups_deferred) == ("succeeded", 0, 1)
+    assert set(entries_of(settings, "u1")) == {o["id"] for o in originals}
 
 
 def test_parse_reply_rules() -> None:
     assert parse_reply('```\n[{"key": "a", "value": 1}]\n```', 2)[0].value == "1"
     assert parse_reply('Sure! [{"key": "a", "value": "x"}] hope it helps', 2)[0].key == "a"
-    assert parse_reply('[{"key": "", "value": "x"}, {"key": "b", "value": ""}, 3]', 2) == []
-    assert parse_reply('[{"key": "_gdpr_x", "value": "x"}]', 2) == []
+    assert [i.key for i in parse_reply('{"entries": [{"key": "a", "value": "x"}]}', 2)] == ["a"]
+    for bad in ['[{"key": "", "value": "x"}]', '[{"key": "b", "value": ""}]', "[3]", "[]", "{}", "no json"]:
+        with pytest.raises(UnusableReply):
+            parse_reply(bad, 2)
+    with pytest.raises(UnusableReply, match="reserved"):
+        parse_reply('[{"key": "_gdpr_x", "value": "x"}]', 2)
     many = json.dumps([{"key": f"k{i}", "value": "v"} for i in range(9)])
-    assert len(parse_reply(many, 2)) == 2 and len(parse_reply(many)) == 9
+    assert len(parse_reply(many)) == 9
+    with pytest.raises(UnusableReply, match="more than the target"):
+        parse_reply(many, 2)
 
 
 def test_summary_key_equal_to_an_original_key_survives(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:

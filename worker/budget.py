@@ -6,6 +6,12 @@ against the run's budget and the owning agent's ``maxCostPerRun``. The reservati
 one short transaction; the call runs outside any transaction; settlement records the
 actual cost (never more than was reserved) and releases the rest. So the recorded
 spend of a run or a day can never pass its cap, however many workers run at once.
+
+Near the end of a budget a full reservation (prompt + the whole output ceiling) may no
+longer fit although a real reply is much smaller: :func:`reserve_call` then lowers
+the call's ceiling to what the budget left can pay for, down to the caller's minimum,
+inside the same locked transaction, so the reservation still covers the worst case of
+the call actually made.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from worker.settings import Settings
 
 @dataclass(frozen=True)
 class Reservation:
-    """What was taken from which budgets for one model call."""
+    """What was taken from which budgets for one model call (``output_tokens``: the
+    ceiling it pays for, 0 when the reservation was taken as a plain amount)."""
 
     lines: tuple[BudgetLine, ...]
     amount_nano: int
+    output_tokens: int = 0
 
 
 def price_nano(tokens: int, usd_per_token: float) -> int:
@@ -42,6 +50,21 @@ def price_nano(tokens: int, usd_per_token: float) -> int:
 def reservation_nano(prompt_tokens: int, max_tokens: int, input_price: float, output_price: float) -> int:
     """Worst case of a call: its prompt plus its whole output ceiling."""
     return price_nano(prompt_tokens, input_price) + price_nano(max_tokens, output_price)
+
+
+def affordable_tokens(budget_nano: int, output_price: float, max_tokens: int) -> int:
+    """The largest output ceiling (at most ``max_tokens``) whose price fits ``budget_nano``."""
+    if budget_nano < 0:
+        return 0
+    if price_nano(max_tokens, output_price) <= budget_nano:
+        return max_tokens
+    tokens = min(max_tokens, int(budget_nano / (output_price * NANO)))
+    # Float division can land one token either side of the rounded-up price.
+    while tokens > 0 and price_nano(tokens, output_price) > budget_nano:
+        tokens -= 1
+    while tokens < max_tokens and price_nano(tokens + 1, output_price) <= budget_nano:
+        tokens += 1
+    return tokens
 
 
 def day_key(at: datetime | None = None) -> str:
@@ -87,6 +110,36 @@ def reserve(settings: Settings, lines: list[BudgetLine], amount_nano: int) -> Re
         metrics.BUDGET_EXHAUSTED.labels(scope=refused.line.scope).inc()
         raise BudgetExhausted(refused.line.scope, amount_nano / NANO, refused.remaining_nano / NANO) from None
     return Reservation(tuple(lines), amount_nano)
+
+
+def reserve_call(
+    settings: Settings,
+    lines: list[BudgetLine],
+    *,
+    prompt_nano: int,
+    output_price: float,
+    max_tokens: int,
+    min_tokens: int | None = None,
+) -> Reservation:
+    """Reserve a call's prompt plus its output ceiling: ``max_tokens`` if it fits, else
+    the largest ceiling of at least ``min_tokens`` (default: ``max_tokens``) that the
+    tightest budget can pay for; raise :class:`BudgetExhausted` if not even that fits."""
+    floor = max_tokens if min_tokens is None else max(1, min(min_tokens, max_tokens))
+    try:
+        with session_scope(settings) as session:
+            spend_store.ensure_lines(session, lines)
+            tightest, headroom = spend_store.lock_headroom(session, lines)
+            tokens = affordable_tokens(headroom - prompt_nano, output_price, max_tokens)
+            if tokens < floor:
+                raise Refused(tightest, headroom)
+            amount = prompt_nano + price_nano(tokens, output_price)
+            # The conditional update stays the guard (on SQLite nothing is row-locked).
+            spend_store.reserve(session, lines, amount)
+    except Refused as refused:
+        metrics.BUDGET_EXHAUSTED.labels(scope=refused.line.scope).inc()
+        needed = prompt_nano + price_nano(floor, output_price)
+        raise BudgetExhausted(refused.line.scope, needed / NANO, refused.remaining_nano / NANO) from None
+    return Reservation(tuple(lines), amount, tokens)
 
 
 def settle(settings: Settings, reservation: Reservation, actual_nano: int) -> int:

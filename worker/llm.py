@@ -6,15 +6,31 @@ in :mod:`worker.budget`, makes the call outside any database transaction, then s
 the actual cost. litellm is imported on the first call, with its bundled price map,
 so importing Reverie never waits on it or on the network.
 
+When the budget left cannot pay for the whole ceiling, a caller that passes
+``min_tokens`` gets the call made with the largest ceiling (at least ``min_tokens``)
+the budget can still pay for; the reservation is always the price of the ceiling the
+call is actually made with, so the cap holds exactly as for a full reservation.
+
+What is recorded: the actual cost (usage x prices), never more than the reservation.
+A provider that reports more output than the ceiling (or returns text far longer than
+it) has broken the call's terms: the reservation is recorded in full (never more, so
+the cap holds), the overage is logged and counted (``dream_llm_requests_total``
+outcome ``over_ceiling``), and the reply is not used (:class:`MalformedReply`).
+
 Errors: :class:`BudgetExhausted` (the call was not made), :class:`TransientError`
-(timeout, rate limit, 5xx, overloaded: worth trying later), :class:`PermanentError`
+(timeout, rate limit, 5xx, overloaded: worth trying later), :class:`MalformedReply`
+(a transient error: the model answered, but not with a usable reply: not JSON, cut
+off at the ceiling, or over it; its cost is recorded), :class:`PermanentError`
 (authentication, unknown or unpriced model, a request the provider refuses).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +44,20 @@ log = get_logger(__name__)
 
 _lock = threading.Lock()
 _litellm: Any = None
+#: Text longer than this many times the ceiling (in our own token count) is over it,
+#: whatever usage the provider reports; the slack covers tokenizers that differ.
+TEXT_OVER_CEILING_FACTOR = 2
+_FENCE = re.compile(r"```[a-zA-Z0-9_-]*\s*(.*?)```", re.DOTALL)
+
+
+class MalformedReply(TransientError):
+    """The provider answered, but the reply cannot be used: not JSON, cut off at the
+    output ceiling, or longer than the ceiling. Its cost was recorded. Transient (a
+    sampled model may answer properly next time); callers bound their attempts."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"malformed model reply: {reason}")
 
 
 @dataclass(frozen=True)
@@ -52,11 +82,26 @@ def _load() -> Any:
 
             litellm.suppress_debug_info = True
             litellm.telemetry = False
-            providers = [p for p in (litellm.custom_provider_map or []) if p.get("provider") != PROVIDER]
-            litellm.custom_provider_map = [*providers, {"provider": PROVIDER, "custom_handler": build_handler()}]
-            litellm.utils.custom_llm_setup()  # type: ignore[no-untyped-call]
             _litellm = litellm
+            _install(PROVIDER, build_handler())
         return _litellm
+
+
+def _install(provider: str, handler: Any) -> None:
+    providers = [p for p in (_litellm.custom_provider_map or []) if p.get("provider") != provider]
+    _litellm.custom_provider_map = [*providers, {"provider": provider, "custom_handler": handler}]
+    _litellm.utils.custom_llm_setup()
+
+
+def register_provider(provider: str, factory: Callable[[Any], Any]) -> None:
+    """Plug another litellm custom provider in (models ``<provider>/...``).
+
+    ``factory`` receives the litellm module and returns a ``litellm.CustomLLM``; it is
+    how tests put a fault-injecting model behind this same gateway.
+    """
+    litellm = _load()
+    with _lock:
+        _install(provider, factory(litellm))
 
 
 def model_name(settings: Settings) -> str:
@@ -102,6 +147,18 @@ def count_prompt_tokens(settings: Settings, messages: list[dict[str, str]]) -> i
     return int(litellm.token_counter(model=model_name(settings), messages=messages))
 
 
+def count_text_tokens(settings: Settings, text: str) -> int:
+    """Tokens of a reply text, as the model's tokenizer (or litellm's default) counts them."""
+    litellm = _load()
+    return int(litellm.token_counter(model=model_name(settings), text=text, count_response_tokens=True))
+
+
+def reservation_floor_nano(settings: Settings, messages: list[dict[str, str]], min_tokens: int) -> int:
+    """The least a call with these messages can reserve (its prompt and ``min_tokens``)."""
+    in_price, out_price = prices(settings)
+    return budget.reservation_nano(count_prompt_tokens(settings, messages), min_tokens, in_price, out_price)
+
+
 def classify(exc: BaseException) -> type[TransientError] | type[PermanentError] | None:
     """Which of our errors a litellm/provider exception is (None: not a provider error)."""
     litellm = _load()
@@ -138,23 +195,38 @@ def complete(
     purpose: str,
     messages: list[dict[str, str]],
     max_tokens: int,
+    min_tokens: int | None = None,
     run_id: int | None = None,
     agent_id: str | None = None,
+    json_reply: bool = True,
 ) -> LlmReply:
-    """One model call under the cost cap; see the module docstring for the errors."""
+    """One model call under the cost cap; see the module docstring for the errors.
+
+    ``max_tokens`` is the output ceiling; with ``min_tokens`` the call may be made with
+    a smaller ceiling (never below ``min_tokens``) when the budget left cannot pay for
+    the whole one. With ``json_reply`` (every Reverie prompt asks for JSON) a reply
+    that holds no complete JSON value raises :class:`MalformedReply`.
+    """
     litellm = _load()
     model = model_name(settings)
     label = settings.llm_model
     in_price, out_price = prices(settings)
     prompt_tokens = count_prompt_tokens(settings, messages)
-    amount = budget.reservation_nano(prompt_tokens, max_tokens, in_price, out_price)
-    reservation = budget.reserve(settings, budget.lines_for(settings, run_id, agent_id), amount)
+    reservation = budget.reserve_call(
+        settings,
+        budget.lines_for(settings, run_id, agent_id),
+        prompt_nano=budget.price_nano(prompt_tokens, in_price),
+        output_price=out_price,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+    )
+    ceiling = reservation.output_tokens
 
     try:
         response = litellm.completion(
             model=model,
             messages=messages,
-            max_tokens=max_tokens,
+            max_tokens=ceiling,
             timeout=settings.llm_timeout_seconds,
             num_retries=0,
         )
@@ -174,17 +246,78 @@ def complete(
     usage = getattr(response, "usage", None)
     input_tokens = int(getattr(usage, "prompt_tokens", 0) or prompt_tokens)
     output_tokens = int(getattr(usage, "completion_tokens", 0) or 0)
+    if text and (output_tokens == 0 or (output_tokens <= ceiling and len(text) > ceiling)):
+        # Usage is not the only witness: a reply without usage is priced by its text,
+        # and text far longer than the ceiling is over it whatever usage says.
+        counted = count_text_tokens(settings, text)
+        if output_tokens == 0 or counted > TEXT_OVER_CEILING_FACTOR * ceiling:
+            output_tokens = counted
     actual = budget.price_nano(input_tokens, in_price) + budget.price_nano(output_tokens, out_price)
     recorded = budget.settle(settings, reservation, actual)
-    if actual > recorded:
-        log.warning("llm_cost_over_reservation", purpose=purpose, model=label, over_nano=actual - recorded)
-
     cost = recorded / NANO
-    metrics.LLM_REQUESTS.labels(model=label, outcome="ok").inc()
     metrics.LLM_TOKENS.labels(model=label, direction="input").inc(input_tokens)
     metrics.LLM_TOKENS.labels(model=label, direction="output").inc(output_tokens)
     metrics.LLM_COST.labels(model=label, purpose=purpose).inc(cost)
+
+    problem = _problem(response, text, output_tokens, ceiling, json_reply)
+    if output_tokens > ceiling:
+        metrics.LLM_REQUESTS.labels(model=label, outcome="over_ceiling").inc()
+        log.warning(
+            "llm_reply_over_ceiling",
+            purpose=purpose,
+            model=label,
+            ceiling=ceiling,
+            output_tokens=output_tokens,
+            over_nano=max(0, actual - recorded),
+        )
+    elif problem is not None:
+        metrics.LLM_REQUESTS.labels(model=label, outcome="malformed").inc()
+        log.warning("llm_reply_malformed", purpose=purpose, model=label, problem=problem)
+    if problem is not None:
+        raise MalformedReply(problem)
+    metrics.LLM_REQUESTS.labels(model=label, outcome="ok").inc()
     return LlmReply(text=text, input_tokens=input_tokens, output_tokens=output_tokens, cost_usd=cost, model=label)
+
+
+def _problem(response: Any, text: str, output_tokens: int, ceiling: int, json_reply: bool) -> str | None:
+    """Why a reply cannot be used, or None."""
+    if output_tokens > ceiling:
+        return f"{output_tokens} output tokens, over the ceiling of {ceiling}"
+    if _finish_reason(response) == "length":
+        return f"cut off at the output ceiling of {ceiling} tokens"
+    if json_reply and not has_json(text):
+        return "no complete JSON value in the reply" if text.strip() else "empty reply"
+    return None
+
+
+def has_json(text: str) -> bool:
+    """Whether the text holds a complete JSON array or object: the whole text, a fenced
+    block, or the span between the outermost brackets or braces (prose around allowed)."""
+    body = text.strip()
+    fenced = _FENCE.search(body)
+    if fenced:
+        body = fenced.group(1).strip()
+    candidates = [body]
+    for opening, closing in ("[]", "{}"):
+        start, end = body.find(opening), body.rfind(closing)
+        if 0 <= start < end:
+            candidates.append(body[start : end + 1])
+    for candidate in candidates:
+        try:
+            value = json.loads(candidate)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(value, list | dict):
+            return True
+    return False
+
+
+def _finish_reason(response: Any) -> str | None:
+    try:
+        reason = response.choices[0].finish_reason
+    except (AttributeError, IndexError):
+        return None
+    return reason if isinstance(reason, str) else None
 
 
 def _reply_text(response: Any) -> str:

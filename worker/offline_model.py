@@ -106,15 +106,17 @@ def build_handler() -> Any:
             text = answer(purpose_of(messages), input_of(messages))
             prompt_tokens = litellm.token_counter(model=MODEL, messages=messages)
             completion_tokens = litellm.token_counter(model=MODEL, text=text, count_response_tokens=True)
+            finish_reason = "stop"
             if completion_tokens > max_tokens:
-                # Like a real model: the reply stops at the output ceiling.
+                # Like a real model: the reply stops at the output ceiling, and says so.
                 text = text[: max(1, len(text) * max_tokens // completion_tokens - 1)]
                 completion_tokens = min(
                     max_tokens, litellm.token_counter(model=MODEL, text=text, count_response_tokens=True)
                 )
+                finish_reason = "length"
             return litellm.ModelResponse(
                 model=model,
-                choices=[{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                choices=[{"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
                 usage={
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": completion_tokens,
