@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Text, and_, cast, func, or_, select, text, update
+from sqlalchemy import Text, and_, cast, func, or_, select, text, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, defer
 
@@ -147,6 +147,10 @@ class Claimed:
     attempts: int
     claim_token: str
     enqueued_at: datetime
+    #: The payload as JSON text, when the claim returned it (``with_payload=True``);
+    #: never parsed by the driver (see :func:`load_payload_text`).
+    payload_text: str | None = field(default=None, repr=False)
+    has_payload: bool = False
 
 
 def _claimable(at: datetime) -> Any:
@@ -164,6 +168,8 @@ def claim_signals(
     signal_id: int | None = None,
     after_id: int | None = None,
     max_attempts: int | None = None,
+    with_payload: bool = False,
+    also_kinds: Sequence[str] = (),
 ) -> list[Claimed]:
     """Move up to ``limit`` claimable signals to ``processing`` under a new lease.
 
@@ -172,13 +178,21 @@ def claim_signals(
     and sets a fresh ``claim_token``; on PostgreSQL ``FOR UPDATE SKIP LOCKED`` lets
     concurrent workers claim disjoint rows. With ``max_attempts``, rows already out
     of attempts are left for :func:`bury_exhausted`; with ``after_id`` only rows with
-    a larger id are claimed (one pass visits each signal once).
+    a larger id are claimed (one pass visits each signal once). With ``with_payload``
+    each claim carries its payload as JSON text, read in the same statement. With
+    ``signal_id`` and ``also_kinds``, that signal is claimed first if it can be and the
+    rest of ``limit`` is filled with the oldest claimable signals of those kinds.
     """
     at = now()
     token = str(uuid.uuid4())
-    candidates = select(Signal.id).where(_claimable(at)).order_by(Signal.id).limit(limit)
-    if signal_id is not None:
+    candidates = select(Signal.id).where(_claimable(at)).limit(limit)
+    if signal_id is not None and also_kinds:
+        wanted = Signal.id == signal_id
+        candidates = candidates.where(or_(wanted, Signal.kind.in_(also_kinds))).order_by(wanted.desc(), Signal.id)
+    elif signal_id is not None:
         candidates = candidates.where(Signal.id == signal_id)
+    else:
+        candidates = candidates.order_by(Signal.id)
     if after_id is not None:
         candidates = candidates.where(Signal.id > after_id)
     if max_attempts is not None:
@@ -188,6 +202,9 @@ def claim_signals(
     # A CTE, not a subquery: a subquery on the same table would be correlated with the
     # UPDATE's rows and its LIMIT and SKIP LOCKED would apply per row.
     ready = candidates.cte("ready")
+    returned: list[Any] = [Signal.id, Signal.kind, Signal.user_id, Signal.agent_id, Signal.attempts, Signal.enqueued_at]
+    if with_payload:
+        returned.append(cast(Signal.payload, Text).label("payload_text"))
     statement = (
         update(Signal)
         # Re-checked on the locked row: another worker may have claimed it meanwhile.
@@ -198,16 +215,30 @@ def claim_signals(
             claim_token=token,
             claimed_until=at + timedelta(seconds=lease_seconds),
         )
-        .returning(Signal.id, Signal.kind, Signal.user_id, Signal.agent_id, Signal.attempts, Signal.enqueued_at)
+        .returning(*returned)
         .execution_options(synchronize_session=False)
     )
     rows = session.execute(statement).all()
-    claimed = [Claimed(r.id, r.kind, r.user_id, r.agent_id, r.attempts, token, r.enqueued_at) for r in rows]
+    claimed = [
+        Claimed(
+            r.id,
+            r.kind,
+            r.user_id,
+            r.agent_id,
+            r.attempts,
+            token,
+            r.enqueued_at,
+            payload_text=None if not with_payload or r.payload_text is None else str(r.payload_text),
+            has_payload=with_payload,
+        )
+        for r in rows
+    ]
     return sorted(claimed, key=lambda c: c.signal_id)
 
 
-def bury_exhausted(session: Session, *, max_attempts: int) -> list[tuple[int, str]]:
-    """Mark ``dead`` the signals whose lease expired after their last attempt.
+def bury_exhausted(session: Session, *, max_attempts: int, signal_id: int | None = None) -> list[tuple[int, str]]:
+    """Mark ``dead`` the signals whose lease expired after their last attempt (only
+    ``signal_id``, if given).
 
     Returns (id, kind) of each row buried, for the metrics.
     """
@@ -224,6 +255,8 @@ def bury_exhausted(session: Session, *, max_attempts: int) -> list[tuple[int, st
         .returning(Signal.id, Signal.kind)
         .execution_options(synchronize_session=False)
     )
+    if signal_id is not None:
+        statement = statement.where(Signal.id == signal_id)
     return [(r.id, r.kind) for r in session.execute(statement)]
 
 
@@ -284,6 +317,24 @@ def finish_signal(
         .execution_options(synchronize_session=False)
     )
     return at if session.execute(statement).first() is not None else None
+
+
+def finish_signals(session: Session, claims: Sequence[tuple[int, str]], *, status: str) -> tuple[set[int], datetime]:
+    """:func:`finish_signal` for many (id, claim token) pairs in one statement, ``done``
+    or ``rejected``; returns the ids whose claim still held, and the time recorded."""
+    assert status in ("done", "rejected")
+    at = now()
+    statement = (
+        update(Signal)
+        .where(
+            tuple_(Signal.id, Signal.claim_token).in_([tuple(claim) for claim in claims]),
+            Signal.status == "processing",
+        )
+        .values(status=status, last_error=None, claim_token=None, claimed_until=None, processed_at=at)
+        .returning(Signal.id)
+        .execution_options(synchronize_session=False)
+    )
+    return set(session.scalars(statement)), at
 
 
 def pending_counts(session: Session) -> dict[str, int]:

@@ -3,12 +3,13 @@
 The steps, each in a transaction of its own, so none is held open across a model call:
 
 1. claim: ``pending``/``failed`` (due) or ``processing`` with an expired lease becomes
-   ``processing`` with one more attempt and a fresh claim token;
+   ``processing`` with one more attempt and a fresh claim token (a signal processed by
+   id reads its payload in the same statement);
 2. load and re-validate the payload (rows INSERTed by foreign producers were never
    validated), then prepare (for ``session_end`` and ``feedback``: the model call);
-3. apply: lock the signal row, check the claim token is still ours and the row still
-   exists (``erase-user`` may have removed it), write the memory effects and mark it
-   ``done``, all in one transaction. A crash anywhere leaves either nothing or
+3. apply: mark the signal ``done`` if the claim token is still ours and the row still
+   exists (``erase-user`` may have removed it), which locks the row, then write the
+   memory effects, all in one transaction. A crash anywhere leaves either nothing or
    everything: the effect happens exactly once.
 
 Outcomes: ``done``; ``rejected`` (invalid input, the reason names the field, never
@@ -22,7 +23,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -50,6 +52,9 @@ from worker.settings import Settings
 log = get_logger(__name__)
 
 CLAIM_BATCH = 20
+#: Signals one wake-up may claim and process together (its own first).
+WAKEUP_BATCH = 20
+LOST_CLAIM = "the claim was lost (erased, or taken over after the lease expired)"
 MAX_BACKOFF_SECONDS = 6 * 3600
 
 
@@ -123,48 +128,109 @@ def process_pending(settings: Settings, *, limit: int | None = None) -> SignalPa
                 limit=batch,
                 after_id=cursor,
                 max_attempts=settings.signal_max_attempts,
+                with_payload=True,
             )
-        for signal_id, kind in buried:
-            _count(kind, "dead")
-            report.dead += 1
-            log.warning("signal_dead", signal_id=signal_id, kind=_kind_label(kind), reason="lease expired")
+        report.dead += _report_buried(buried)
         if not claimed:
             break
-        for claim in claimed:
-            report.add(process_claimed(settings, claim))
+        for result in process_claims(settings, claimed):
+            report.add(result)
         cursor = claimed[-1].signal_id
     _refresh_pending_gauge(settings)
     return report
 
 
+def batch_kinds(settings: Settings) -> tuple[str, ...]:
+    """The kinds a wake-up may claim beside its own signal (see :func:`process_signal`).
+
+    Kinds whose preparation calls a remote model are left to their own wake-ups, so a
+    batch never holds its claims (and its first results) across many slow calls.
+    """
+    return tuple(KINDS) if settings.llm_model == "offline" else ("activity",)
+
+
 def process_signal(settings: Settings, signal_id: int) -> str:
-    """Claim and process one signal by id; the outcome, or ``skipped`` if it was not
-    claimable (already finished, held by another worker, or gone)."""
+    """Claim and process one signal by id; its outcome, or ``skipped`` if it was not
+    claimable (already finished, held by another worker, or gone).
+
+    The same claim takes up to ``WAKEUP_BATCH - 1`` other due signals (oldest first,
+    of :func:`batch_kinds`), which are processed with it and their effects committed
+    together: under a backlog one wake-up does the work of many, and the wake-ups of
+    signals already done cost one claim that finds nothing.
+    """
+    buried: list[tuple[int, str]] = []
     with session_scope(settings) as session:
-        signal_store.bury_exhausted(session, max_attempts=settings.signal_max_attempts)
+        # The claim reads the payloads too: one transaction before the work.
         claimed = signal_store.claim_signals(
             session,
             lease_seconds=settings.signal_lease_seconds,
-            limit=1,
+            limit=WAKEUP_BATCH,
             signal_id=signal_id,
+            also_kinds=batch_kinds(settings),
             max_attempts=settings.signal_max_attempts,
+            with_payload=True,
         )
-    if not claimed:
-        return "skipped"
-    return process_claimed(settings, claimed[0]).outcome
+        if all(claim.signal_id != signal_id for claim in claimed):
+            # Maybe out of attempts with an expired lease: the sweeper's wake-up for
+            # such a row lands here, so burying on this path finds every one in time.
+            buried = signal_store.bury_exhausted(
+                session, max_attempts=settings.signal_max_attempts, signal_id=signal_id
+            )
+    _report_buried(buried)
+    outcome = "skipped"
+    for result in process_claims(settings, claimed):
+        if result.signal_id == signal_id:
+            outcome = result.outcome
+    return outcome
+
+
+def _report_buried(buried: list[tuple[int, str]]) -> int:
+    for signal_id, kind in buried:
+        _count(kind, "dead")
+        log.warning("signal_dead", signal_id=signal_id, kind=_kind_label(kind), reason="lease expired")
+    return len(buried)
 
 
 def process_claimed(settings: Settings, claim: Claimed) -> SignalResult:
     """Prepare, apply and record one claimed signal. Never raises for a bad signal."""
-    result = SignalResult(claim.signal_id, claim.kind, claim.user_id, outcome="skipped")
+    return process_claims(settings, [claim])[0]
+
+
+@dataclass
+class _Ready:
+    claim: Claimed
+    signal: SignalInput
+    prepared: Any
+    result: SignalResult
+
+
+def process_claims(settings: Settings, claims: list[Claimed]) -> list[SignalResult]:
+    """Prepare, apply and record claimed signals, in order. Never raises for a bad signal.
+
+    Each signal is prepared on its own (a bad one is recorded and left out); the
+    prepared ones are applied in one transaction. Should that transaction fail, each
+    is applied again in a transaction of its own, so one bad signal costs the batch
+    nothing but time.
+    """
+    results = [SignalResult(c.signal_id, c.kind, c.user_id, outcome="skipped") for c in claims]
+    ready: list[_Ready] = []
+    for claim, result in zip(claims, results, strict=True):
+        item = _guarded(settings, claim, result, partial(_prepare, settings, claim, result))
+        if isinstance(item, _Ready):
+            ready.append(item)
+    if len(ready) > 1 and _apply_together(settings, ready):
+        return results
+    for item in ready:
+        _guarded(settings, item.claim, item.result, partial(_apply, settings, item))
+    return results
+
+
+def _guarded(settings: Settings, claim: Claimed, result: SignalResult, step: Callable[[], Any]) -> Any:
+    """Run one step of one signal; on an error record the outcome it calls for and
+    return None."""
     refund = False
     try:
-        signal = _load(settings, claim)
-        if signal is None:
-            result.reason = "the signal was removed while it was processed"
-            return _finish(settings, claim, result)
-        prepared = HANDLERS[signal.kind].prepare(settings, signal)
-        return _apply(settings, claim, signal, prepared, result)
+        return step()
     except InvalidSignal as exc:
         result.outcome, result.reason = "rejected", str(exc)
         log_detail: dict[str, Any] = {"field": exc.field}
@@ -186,20 +252,36 @@ def process_claimed(settings: Settings, claim: Claimed) -> SignalResult:
         # must never stop the pass, and a bug must not be retried forever.
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
         result.reason = f"internal error: {type(exc).__name__}"
-        # Where it happened, not the message: messages can quote payload text.
-        frame = exc.__traceback__
-        while frame is not None and frame.tb_next is not None:
-            frame = frame.tb_next
-        where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else "?"
-        log_detail = {"error": type(exc).__name__, "where": where}
-    return _finish(settings, claim, result, refund=refund, **log_detail)
+        log_detail = {"error": type(exc).__name__, "where": _where(exc)}
+    _finish(settings, claim, result, refund=refund, **log_detail)
+    return None
+
+
+def _where(exc: BaseException) -> str:
+    # Where it happened, not the message: messages can quote payload text.
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else "?"
+
+
+def _prepare(settings: Settings, claim: Claimed, result: SignalResult) -> _Ready | None:
+    signal = _load(settings, claim)
+    if signal is None:
+        result.reason = "the signal was removed while it was processed"
+        _finish(settings, claim, result)
+        return None
+    return _Ready(claim, signal, HANDLERS[signal.kind].prepare(settings, signal), result)
 
 
 def _load(settings: Settings, claim: Claimed) -> SignalInput | None:
-    with session_scope(settings) as session:
-        exists, text = signal_store.load_payload_text(session, claim.signal_id)
-    if not exists:
-        return None
+    if claim.has_payload:
+        text = claim.payload_text
+    else:
+        with session_scope(settings) as session:
+            exists, text = signal_store.load_payload_text(session, claim.signal_id)
+        if not exists:
+            return None
     payload = _parse(text)
     validate_signal(claim.kind, claim.user_id, payload, settings, agent_id=claim.agent_id)
     return SignalInput(claim.signal_id, claim.kind, claim.user_id, claim.agent_id, payload, claim.enqueued_at)
@@ -216,22 +298,61 @@ def _parse(text: str | None) -> Any:
         raise InvalidSignal("payload", "is not valid JSON") from exc
 
 
-def _apply(
-    settings: Settings, claim: Claimed, signal: SignalInput, prepared: Any, result: SignalResult
-) -> SignalResult:
+def _apply(settings: Settings, item: _Ready) -> SignalResult:
+    claim, signal, result = item.claim, item.signal, item.result
     with session_scope(settings) as session:
-        if not signal_store.lock_claimed(session, claim.signal_id, claim.claim_token):
-            result.reason = "the claim was lost (erased, or taken over after the lease expired)"
+        # Marking it done first locks the row and checks that our claim still holds, in
+        # one statement; the effects follow in the same transaction, so either both
+        # commit or neither does.
+        finished_at = signal_store.finish_signal(session, claim.signal_id, claim.claim_token, status="done")
+        if finished_at is None:
+            result.reason = LOST_CLAIM
             return result
-        effect = HANDLERS[signal.kind].apply(session, settings, signal, prepared)
+        effect = HANDLERS[signal.kind].apply(session, settings, signal, item.prepared)
         if effect.wrote:
             schedule.mark_dirty(session, signal.user_id)
-        finished_at = signal_store.finish_signal(session, claim.signal_id, claim.claim_token, status="done")
+    _done(settings, item, effect, finished_at)
+    return result
+
+
+def _apply_together(settings: Settings, ready: list[_Ready]) -> bool:
+    """Apply prepared signals in one transaction; False (nothing written) if it failed."""
+    effects: list[tuple[_Ready, Effect]] = []
+    try:
+        with session_scope(settings) as session:
+            held, finished_at = signal_store.finish_signals(
+                session, [(item.claim.signal_id, item.claim.claim_token) for item in ready], status="done"
+            )
+            dirty: set[str] = set()
+            for item in ready:
+                if item.claim.signal_id not in held:
+                    continue
+                effect = HANDLERS[item.signal.kind].apply(session, settings, item.signal, item.prepared)
+                if effect.wrote:
+                    dirty.add(item.signal.user_id)
+                effects.append((item, effect))
+            # One order for every batch, so two batches never wait on each other in a cycle.
+            for user_id in sorted(dirty):
+                schedule.mark_dirty(session, user_id)
+    except (DatabaseUnavailable, SchemaMissing):
+        raise
+    except Exception as exc:
+        log.info("signal_batch_split", size=len(ready), error=type(exc).__name__, where=_where(exc))
+        return False
+    for item in ready:
+        if item.claim.signal_id not in held:
+            item.result.reason = LOST_CLAIM
+    for item, effect in effects:
+        _done(settings, item, effect, finished_at)
+    return True
+
+
+def _done(settings: Settings, item: _Ready, effect: Effect, finished_at: datetime) -> None:
+    claim, signal, result = item.claim, item.signal, item.result
     result.outcome, result.decisions = "done", effect.decisions
     for action, count in effect.writes.items():
         metrics.MEMORY_WRITES.labels(source=effect.source, action=action).inc(count)
-    if finished_at is not None:
-        metrics.SIGNAL_LAG.labels(kind=signal.kind).observe(max(0.0, (finished_at - claim.enqueued_at).total_seconds()))
+    metrics.SIGNAL_LAG.labels(kind=signal.kind).observe(max(0.0, (finished_at - claim.enqueued_at).total_seconds()))
     _count(signal.kind, "done")
     log.info(
         "signal_done",
@@ -242,7 +363,6 @@ def _apply(
         refused=len(result.refused),
         writes=sum(effect.writes.values()),
     )
-    return result
 
 
 def _finish(

@@ -16,6 +16,7 @@ from store.memories import table_for
 from store.models import Event, Signal
 from store.types import now
 from tasks import session_end
+from tasks import signals as signal_module
 from tasks.signals import HANDLERS, Handler, process_claimed, process_pending, process_signal
 from worker import llm
 from worker.errors import BudgetExhausted, PermanentError, TransientError
@@ -147,17 +148,15 @@ def test_crash_before_done_leaves_nothing_and_the_retry_applies_once(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
-    real_finish = signal_store.finish_signal
+    real_mark_dirty = signal_module.schedule.mark_dirty
 
     def crash(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("status") == "done":
-            raise KeyboardInterrupt  # the worker dies after the memory write, before commit
-        return real_finish(*args, **kwargs)
+        raise KeyboardInterrupt  # the worker dies after the memory write and the done mark, before commit
 
-    monkeypatch.setattr(signal_store, "finish_signal", crash)
+    monkeypatch.setattr(signal_module.schedule, "mark_dirty", crash)
     with pytest.raises(KeyboardInterrupt):
         process_pending(pg_settings)
-    monkeypatch.setattr(signal_store, "finish_signal", real_finish)
+    monkeypatch.setattr(signal_module.schedule, "mark_dirty", real_mark_dirty)
     assert memory_count(pg_settings) == 0
     row = signal_row(pg_settings, sid)
     assert row.status == "processing"
@@ -248,3 +247,53 @@ def test_sqlite_backend_processes_signals(sqlite_settings: Settings) -> None:
     assert process_pending(sqlite_settings).processed == 1
     assert signal_row(sqlite_settings, sid).status == "done"
     assert memory_count(sqlite_settings) == 1
+
+
+def test_one_wake_up_processes_a_batch_of_due_signals_each_once(pg_settings: Settings) -> None:
+    sids = [
+        enqueue_signal(
+            "session_end", f"user-{i}", said(f"My lucky number is {i}", f"c{i}"), settings=pg_settings
+        ).signal_id
+        for i in range(5)
+    ]
+    assert process_signal(pg_settings, sids[2]) == "done"
+    assert {signal_row(pg_settings, sid).status for sid in sids} == {"done"}
+    assert (memory_count(pg_settings), event_count(pg_settings)) == (5, 5)
+    # The other wake-ups arrive later and find nothing to do.
+    assert [process_signal(pg_settings, sid) for sid in sids] == ["skipped"] * 5
+    assert [signal_row(pg_settings, sid).attempts for sid in sids] == [1] * 5
+
+
+def test_a_failing_signal_in_a_batch_costs_the_others_nothing(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sids = [
+        enqueue_signal(
+            "session_end", f"user-{i}", said(f"My lucky number is {i}", f"c{i}"), settings=pg_settings
+        ).signal_id
+        for i in range(4)
+    ]
+
+    def apply_or_break(session: Any, settings: Settings, signal: Any, prepared: Any) -> Any:
+        if signal.signal_id == sids[1]:
+            raise RuntimeError("a row the database refuses")
+        return session_end.apply(session, settings, signal, prepared)
+
+    monkeypatch.setitem(HANDLERS, "session_end", Handler(session_end.prepare, apply_or_break))
+    assert process_signal(pg_settings, sids[0]) == "done"
+    statuses = [signal_row(pg_settings, sid).status for sid in sids]
+    assert statuses == ["done", "failed", "done", "done"]
+    assert signal_row(pg_settings, sids[1]).last_error == "internal error: RuntimeError"
+    assert (memory_count(pg_settings), event_count(pg_settings)) == (3, 3)
+
+
+def test_a_wake_up_for_an_exhausted_signal_buries_it(make_settings: Any) -> None:
+    settings = make_settings(signal_max_attempts=1)
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=settings).signal_id
+    with session_scope(settings) as session:
+        signal_store.claim_signals(session, lease_seconds=60, limit=1)
+        session.execute(update(Signal).where(Signal.id == sid).values(claimed_until=now() - timedelta(seconds=1)))
+    before = counter("session_end", "dead")
+    assert process_signal(settings, sid) == "skipped"
+    assert signal_row(settings, sid).status == "dead"
+    assert counter("session_end", "dead") == before + 1

@@ -8,6 +8,8 @@ broker (cron mode): nothing is sent.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -31,6 +33,9 @@ QUIET_SECONDS = 30.0
 log = get_logger(__name__)
 _apps: dict[str, Celery] = {}
 _lock = threading.Lock()
+_publish_lock = threading.Lock()
+#: (pid, broker URL) -> (connection, producer or None before the first connect).
+_producers: dict[tuple[int, str], tuple[Any, Any]] = {}
 _quiet_until = 0.0
 
 
@@ -46,26 +51,62 @@ def _app_for(settings: Settings) -> Celery:
 
 
 def publish(settings: Settings, task_name: str, args_list: Sequence[list[Any]]) -> int:
-    """Send one ``task_name`` message per argument list over one connection, routed
-    like the app routes it. Returns the number sent; raises :class:`BrokerUnavailable`
-    (with ``sent``) when the broker fails part-way."""
+    """Send one ``task_name`` message per argument list, routed like the app routes it.
+    Returns the number sent; raises :class:`BrokerUnavailable` (with ``sent``) when the
+    broker fails part-way.
+
+    The connection is kept for the next call (one per process and broker): a producer
+    that enqueues signal after signal pays the connect and the queue declarations
+    once. A kept connection that has gone stale is replaced once, never in a loop.
+    """
     if not settings.broker_url or not args_list:
         return 0
-    from kombu.exceptions import KombuError
-
     celery = _app_for(settings)
     sent = 0
-    try:
-        with celery.connection_for_write() as connection:
-            # No retry loop here: a producer must not hang on an absent broker.
-            connection.ensure_connection(max_retries=0)
-            producer = celery.amqp.Producer(connection)
-            for args in args_list:
-                celery.send_task(task_name, args=args, producer=producer, retry=False)
-                sent += 1
-    except (KombuError, OSError) as exc:
-        raise BrokerUnavailable(_first_line(exc), sent=sent) from exc
+    with _publish_lock:
+        for attempt in (1, 2):
+            try:
+                producer = _producer(celery)
+                for args in args_list[sent:]:
+                    celery.send_task(task_name, args=args, producer=producer, retry=False)
+                    sent += 1
+                return sent
+            except _broker_errors(celery) as exc:
+                fresh = _forget_producer(celery)
+                if attempt == 2 or fresh:
+                    raise BrokerUnavailable(_first_line(exc), sent=sent) from exc
     return sent
+
+
+def _broker_errors(celery: Celery) -> tuple[type[BaseException], ...]:
+    from kombu.exceptions import KombuError
+
+    connection = _producers.get((os.getpid(), celery.conf.broker_url))
+    driver = () if connection is None else (*connection[0].connection_errors, *connection[0].channel_errors)
+    return (KombuError, OSError, *driver)
+
+
+def _producer(celery: Celery) -> Any:
+    key = (os.getpid(), celery.conf.broker_url)
+    kept = _producers.get(key)
+    if kept is None:
+        connection = celery.connection_for_write()
+        # Stored before connecting, so a failed connect is recognised as fresh.
+        _producers[key] = (connection, None)
+        # No retry loop here: a producer must not hang on an absent broker.
+        connection.ensure_connection(max_retries=0)
+        kept = _producers[key] = (connection, celery.amqp.Producer(connection))
+    return kept[1]
+
+
+def _forget_producer(celery: Celery) -> bool:
+    """Drop this process's kept connection; True if it had never published."""
+    kept = _producers.pop((os.getpid(), celery.conf.broker_url), None)
+    if kept is None:
+        return True
+    with contextlib.suppress(Exception):
+        kept[0].release()
+    return kept[1] is None
 
 
 def not_resent_within(settings: Settings, signal_ids: Sequence[int], seconds: int) -> list[int]:
