@@ -215,9 +215,10 @@ def test_unparseable_reply_writes_nothing(pg_settings: Settings, monkeypatch: py
     script(monkeypatch, "I think the user likes blue")
     enqueue_signal("session_end", "alice", transcript(("user", "My favorite color is blue")), settings=pg_settings)
     report = process_pending(pg_settings)
-    assert report.processed == 1
+    # A reply with no JSON is a malformed reply: retried (bounded), never half-used.
+    assert report.failed == 1
     assert memories(pg_settings) == []
-    assert "not a JSON array" in report.results[0].refused[0].outcome
+    assert "malformed model reply" in (report.results[0].reason or "")
 
 
 def test_prompt_injection_never_writes_for_another_user(pg_settings: Settings) -> None:
