@@ -22,6 +22,9 @@ from worker.settings import Settings
 
 _engines: dict[tuple[int, str], Engine] = {}
 
+#: ``application_name`` of Reverie's PostgreSQL sessions unless the URL names another.
+APPLICATION_NAME = "reverie"
+
 
 def safe_url(url: str) -> str:
     """The URL with any password masked, for messages and logs."""
@@ -56,7 +59,10 @@ def build_engine(url: str, **kwargs: Any) -> Engine:
     kwargs.setdefault("pool_size", 5)
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("connect_timeout", 5)
-    connect_args.setdefault("application_name", "reverie")
+    # Named, so an operator can find (or terminate) Reverie's sessions in
+    # pg_stat_activity; a name given in the URL (``?application_name=``) wins.
+    if "application_name" not in parsed.query:
+        connect_args.setdefault("application_name", APPLICATION_NAME)
     try:
         return create_engine(url, connect_args=connect_args, **kwargs)
     except ModuleNotFoundError as exc:
