@@ -90,3 +90,19 @@ def test_permanent_failure_fails_the_run_with_reason_and_no_partial_write(
     with session_scope(pg_settings) as session:
         run = session.scalars(select(Run)).one()
     assert run.status == "failed" and "AuthenticationError" in (run.error or "") and run.finished_at is not None
+
+
+def test_a_reply_cut_at_the_ceiling_is_paid_and_refused(pg_settings: Settings) -> None:
+    entries = ", ".join(f'{{"key": "k{i}", "value": "a fairly long value number {i}"}}' for i in range(20))
+    task = '{"category": "fact", "target": 1, "entries": [' + entries + "]}"
+    messages = [MESSAGES[0], {"role": "user", "content": "INPUT:\n" + task}]
+    with pytest.raises(llm.MalformedReply, match="cut off at the output ceiling of 16"):
+        llm.complete(pg_settings, purpose="summarize", messages=messages, max_tokens=16)
+    assert budget.day_spent_nano(pg_settings) > 0
+
+
+def test_json_is_found_in_fences_and_prose_but_not_in_a_cut_reply() -> None:
+    assert llm.has_json('```json\n[{"key": "a"}]\n```') and llm.has_json('Sure: {"entries": []} done')
+    assert llm.has_json("[]")
+    for text in ("", "no json here", '[{"key": "a", "value": "b"', '{"entries": [1, 2', "42", '"just a string"'):
+        assert not llm.has_json(text), text

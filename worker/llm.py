@@ -13,9 +13,11 @@ call is actually made with, so the cap holds exactly as for a full reservation.
 
 What is recorded: the actual cost (usage x prices), never more than the reservation.
 A provider that reports more output than the ceiling (or returns text far longer than
-it) has broken the call's terms: the reservation is recorded in full (never more, so
-the cap holds), the overage is logged and counted (``dream_llm_requests_total``
-outcome ``over_ceiling``), and the reply is not used (:class:`MalformedReply`).
+it) has broken the call's terms: its cost is recorded up to the reservation and no
+further (so the cap holds; in practice the whole reservation), the overage the budget
+did not take is logged (``llm_reply_over_ceiling``, ``over_nano``) and counted
+(``dream_llm_requests_total`` outcome ``over_ceiling``), and the reply is not used
+(:class:`MalformedReply`).
 
 Errors: :class:`BudgetExhausted` (the call was not made), :class:`TransientError`
 (timeout, rate limit, 5xx, overloaded: worth trying later), :class:`MalformedReply`
