@@ -236,8 +236,8 @@ def run_cap_row(quick: bool) -> Row:
 def day_cap_row(quick: bool) -> Row:
     # Many users, two racing processes, the day cap far below the work.
     scenario = Scenario(
-        users=8 if quick else 80,
-        groups=8 if quick else 20,
+        users=8 if quick else 50,
+        groups=8 if quick else 16,
         run_cap=100.0,
         day_cap=0.008 if quick else 0.1,
         racers=2,
