@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -59,6 +60,8 @@ QUEUE = "signals"
 FINAL = ("done", "rejected", "dead")
 
 GOAL_RATIO = 0.5
+#: Producer threads of the sustained run.
+PRODUCERS = 4
 GOAL_P99_SECONDS = 2.0
 
 
@@ -341,20 +344,37 @@ class Sustained:
 
 
 def sustained(bench: Bench, kind: str, rate: float, seconds: float, *, seed: int) -> Sustained:
-    """``enqueue_signal`` at ``rate`` per second for ``seconds``; latency of each row."""
+    """``enqueue_signal`` at ``rate`` per second for ``seconds``; latency of each row.
+
+    Signal ``n`` is due at ``n / rate`` seconds; :data:`PRODUCERS` threads share the
+    schedule, so one slow enqueue does not hold back the next ones.
+    """
     from worker.producer import enqueue_signal
 
     total = max(int(rate * seconds), 1)
     specs = list(signals(kind, total, seed=seed, start=seed * 1_000_000))
     ids: list[int] = []
     started = time.perf_counter()
-    for n, spec in enumerate(specs):
-        delay = started + n / rate - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        done = enqueue_signal(spec.kind, spec.user_id, spec.payload, agent_id=spec.agent_id, settings=bench.settings)
-        ids.append(done.signal_id)
+
+    def produce(offset: int) -> None:
+        for n in range(offset, total, PRODUCERS):
+            delay = started + n / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            spec = specs[n]
+            done = enqueue_signal(
+                spec.kind, spec.user_id, spec.payload, agent_id=spec.agent_id, settings=bench.settings
+            )
+            ids.append(done.signal_id)
+
+    threads = [threading.Thread(target=produce, args=(offset,), daemon=True) for offset in range(PRODUCERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     produced = time.perf_counter() - started
+    if len(ids) != total:
+        raise RuntimeError(f"the producers enqueued {len(ids)} of {total} signals")
     statuses = wait_final(bench, ids, bench.procs[-1], timeout=300)
     with bench.conn() as conn:
         lags = [

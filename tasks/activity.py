@@ -64,6 +64,14 @@ def apply(session: Session, settings: Settings, signal: SignalInput, rows: list[
     return Effect(SOURCE)
 
 
+def apply_many(
+    session: Session, settings: Settings, batch: list[tuple[SignalInput, list[dict[str, Any]]]]
+) -> list[Effect]:
+    """:func:`apply` for many signals: all their events in one statement."""
+    activity_store.add_events(session, [row for _signal, rows in batch for row in rows])
+    return [Effect(SOURCE) for _ in batch]
+
+
 def lookback(settings: Settings) -> timedelta:
     return timedelta(weeks=max(LOOKBACK_WEEKS, settings.routine_min_weeks + 1))
 

@@ -21,7 +21,8 @@ back); ``skipped`` (the claim was lost: another worker or an erasure got there f
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
@@ -31,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from store import schedule
 from store import signals as signal_store
-from store.db import session_scope
+from store.db import get_engine, session_scope, translate_errors
 from store.signals import Claimed
 from store.types import now
 from tasks import activity, feedback, session_end
@@ -62,12 +63,14 @@ MAX_BACKOFF_SECONDS = 6 * 3600
 class Handler:
     prepare: Callable[[Settings, SignalInput], Any]
     apply: Callable[[Session, Settings, SignalInput, Any], Effect]
+    #: ``apply`` for many signals of the kind at once (fewer statements), if it has one.
+    apply_many: Callable[[Session, Settings, list[tuple[SignalInput, Any]]], list[Effect]] | None = None
 
 
 HANDLERS: dict[str, Handler] = {
     "session_end": Handler(session_end.prepare, session_end.apply),
     "feedback": Handler(feedback.prepare, feedback.apply),
-    "activity": Handler(activity.prepare, activity.apply),
+    "activity": Handler(activity.prepare, activity.apply, activity.apply_many),
 }
 
 
@@ -159,8 +162,8 @@ def process_signal(settings: Settings, signal_id: int) -> str:
     signals already done cost one claim that finds nothing.
     """
     buried: list[tuple[int, str]] = []
-    with session_scope(settings) as session:
-        # The claim reads the payloads too: one transaction before the work.
+    with _statement_scope(settings) as session:
+        # The claim reads the payloads too: one statement before the work.
         claimed = signal_store.claim_signals(
             session,
             lease_seconds=settings.signal_lease_seconds,
@@ -182,6 +185,20 @@ def process_signal(settings: Settings, signal_id: int) -> str:
         if result.signal_id == signal_id:
             outcome = result.outcome
     return outcome
+
+
+@contextmanager
+def _statement_scope(settings: Settings) -> Iterator[Session]:
+    """A session whose every statement commits on its own (autocommit).
+
+    For work that is one statement, or several that need not be atomic together: it
+    spares the BEGIN and COMMIT round trips of a transaction. A wake-up's claim and
+    the burial of its own signal run here.
+    """
+    with translate_errors(settings), get_engine(settings).connect() as connection:
+        autocommit = connection.execution_options(isolation_level="AUTOCOMMIT")
+        with Session(bind=autocommit, expire_on_commit=False) as session:
+            yield session
 
 
 def _report_buried(buried: list[tuple[int, str]]) -> int:
@@ -323,14 +340,21 @@ def _apply_together(settings: Settings, ready: list[_Ready]) -> bool:
             held, finished_at = signal_store.finish_signals(
                 session, [(item.claim.signal_id, item.claim.claim_token) for item in ready], status="done"
             )
-            dirty: set[str] = set()
+            together: dict[str, list[_Ready]] = {}
             for item in ready:
                 if item.claim.signal_id not in held:
                     continue
-                effect = HANDLERS[item.signal.kind].apply(session, settings, item.signal, item.prepared)
-                if effect.wrote:
-                    dirty.add(item.signal.user_id)
-                effects.append((item, effect))
+                handler = HANDLERS[item.signal.kind]
+                if handler.apply_many is not None:
+                    together.setdefault(item.signal.kind, []).append(item)
+                    continue
+                effects.append((item, handler.apply(session, settings, item.signal, item.prepared)))
+            for kind, items in together.items():
+                apply_many = HANDLERS[kind].apply_many
+                assert apply_many is not None
+                batch = [(item.signal, item.prepared) for item in items]
+                effects.extend(zip(items, apply_many(session, settings, batch), strict=True))
+            dirty = {item.signal.user_id for item, effect in effects if effect.wrote}
             # One order for every batch, so two batches never wait on each other in a cycle.
             for user_id in sorted(dirty):
                 schedule.mark_dirty(session, user_id)

@@ -10,13 +10,13 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import delete, select, update
 
+from store import schedule
 from store import signals as signal_store
 from store.db import session_scope
 from store.memories import table_for
 from store.models import Event, Signal
 from store.types import now
 from tasks import session_end
-from tasks import signals as signal_module
 from tasks.signals import HANDLERS, Handler, process_claimed, process_pending, process_signal
 from worker import llm
 from worker.errors import BudgetExhausted, PermanentError, TransientError
@@ -148,15 +148,15 @@ def test_crash_before_done_leaves_nothing_and_the_retry_applies_once(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
-    real_mark_dirty = signal_module.schedule.mark_dirty
+    real_mark_dirty = schedule.mark_dirty
 
     def crash(*args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt  # the worker dies after the memory write and the done mark, before commit
 
-    monkeypatch.setattr(signal_module.schedule, "mark_dirty", crash)
+    monkeypatch.setattr(schedule, "mark_dirty", crash)
     with pytest.raises(KeyboardInterrupt):
         process_pending(pg_settings)
-    monkeypatch.setattr(signal_module.schedule, "mark_dirty", real_mark_dirty)
+    monkeypatch.setattr(schedule, "mark_dirty", real_mark_dirty)
     assert memory_count(pg_settings) == 0
     row = signal_row(pg_settings, sid)
     assert row.status == "processing"

@@ -15,6 +15,7 @@ The periodic ``dream_signals_pending`` refresh is :func:`refresh_pending_gauge`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -39,6 +40,7 @@ log = get_logger("reverie.worker")
 
 _server: metrics_server.MetricsServer | None = None
 _started: dict[str, float] = {}
+_signatures: dict[Any, inspect.Signature] = {}
 # Task keyword arguments worth carrying on every log line of the task (ids only).
 _CONTEXT_KWARGS = ("run_id", "signal_id")
 
@@ -109,12 +111,29 @@ def _worker_process_shutdown(pid: int | None = None, **_: Any) -> None:
     metrics_server.mark_dead(pid if pid is not None else os.getpid())
 
 
+def _signature(run: Any) -> inspect.Signature | None:
+    # Computed once per task function, not once per message.
+    try:
+        cached = _signatures.get(run)
+    except TypeError:  # not hashable
+        cached = None
+    if cached is None:
+        try:
+            cached = inspect.signature(run)
+        except (TypeError, ValueError):
+            return None
+        with contextlib.suppress(TypeError):
+            _signatures[run] = cached
+    return cached
+
+
 def _named_arguments(task: Any, args: Any, kwargs: Any) -> dict[str, Any]:
     # Tasks take ids positionally (`signals.process(signal_id)`); name them by signature.
     run = getattr(task, "run", None)
+    signature = _signature(run) if run else None
     try:
-        bound = inspect.signature(run).bind_partial(*(args or ()), **(kwargs or {})) if run else None
-    except (TypeError, ValueError):
+        bound = signature.bind_partial(*(args or ()), **(kwargs or {})) if signature else None
+    except TypeError:
         bound = None
     if bound is not None:
         return dict(bound.arguments)
