@@ -8,8 +8,8 @@ settlement, error classification. Select it with :func:`settings_for`; script it
 A healthy call answers what the offline model would.
 
 Faults: ``timeout``, ``rate_limit`` (429), ``server_error`` (500), ``overloaded`` (503),
-``auth`` (401, permanent), ``malformed`` (prose, no JSON), ``truncated`` (JSON cut in
-half, the provider still says ``stop``), ``cut_off`` (cut at the ceiling, ``length``),
+``auth`` (401, permanent), ``malformed`` (prose, no JSON), ``truncated`` (JSON cut two
+thirds in, the provider still says ``stop``), ``cut_off`` (cut at the ceiling, ``length``),
 ``over_usage`` (a proper reply whose usage reports ten times the ceiling), ``long_text``
 (text dozens of times the ceiling while usage claims to be within it).
 """
@@ -82,7 +82,8 @@ def _reply(fault: str, healthy: str, max_tokens: int, count: Any) -> tuple[str, 
     if fault == "malformed":
         return "Sure! Here is what I found: the user likes blue. Anything else?", 16, "stop"
     if fault == "truncated":
-        text = healthy[: max(1, len(healthy) // 2)]
+        # Two thirds in: the first items of an array are whole, the array is not.
+        text = healthy[: max(1, len(healthy) * 2 // 3)]
         return text, count(text), "stop"
     if fault == "cut_off":
         text = healthy[: max(1, min(len(healthy) // 2, max_tokens))]

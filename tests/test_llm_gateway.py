@@ -104,5 +104,13 @@ def test_a_reply_cut_at_the_ceiling_is_paid_and_refused(pg_settings: Settings) -
 def test_json_is_found_in_fences_and_prose_but_not_in_a_cut_reply() -> None:
     assert llm.has_json('```json\n[{"key": "a"}]\n```') and llm.has_json('Sure: {"entries": []} done')
     assert llm.has_json("[]")
-    for text in ("", "no json here", '[{"key": "a", "value": "b"', '{"entries": [1, 2', "42", '"just a string"'):
+    for text in (
+        "",
+        "no json here",
+        '[{"key": "a", "value": "b"',
+        '[{"key": "a"}, {"key": "b',
+        '{"entries": [1, 2',
+        "42",
+        '"just a string"',
+    ):
         assert not llm.has_json(text), text

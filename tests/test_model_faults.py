@@ -46,7 +46,8 @@ PAYLOADS: dict[str, dict[str, Any]] = {
     "session_end": {
         "conversation_id": "c1",
         "agent_id": "agent-a",
-        "messages": [{"role": "user", "content": "My favorite color is blue"}],
+        # Two facts: a reply cut in half still holds the first one whole.
+        "messages": [{"role": "user", "content": "My favorite color is blue. My home city is Paris."}],
     },
     "feedback": {"deliverable_id": "d1", "agent_id": "writer", "original": LONG, "edited": "The numbers look good."},
 }
@@ -234,7 +235,10 @@ def test_dead_signals_come_back_with_the_cli_once_the_model_is_healthy(pg_settin
     for sid in ids.values():
         row = _signal(settings, sid)
         assert (row.status, row.attempts) == ("done", 1)
-    assert {(r["key"], r["value"]) for r in entries_of(settings, "u1").values()} == {("favorite_color", "blue")}
+    assert {(r["key"], r["value"]) for r in entries_of(settings, "u1").values()} == {
+        ("favorite_color", "blue"),
+        ("home_city", "Paris"),
+    }
     with session_scope(settings) as session:
         assert session.scalar(select(func.count()).select_from(Observation)) == 1
     assert SCRIPT.calls == 4  # the faulty model was not called again

@@ -294,24 +294,24 @@ def _problem(response: Any, text: str, output_tokens: int, ceiling: int, json_re
 
 def has_json(text: str) -> bool:
     """Whether the text holds a complete JSON array or object: the whole text, a fenced
-    block, or the span between the outermost brackets or braces (prose around allowed)."""
+    block, or the span from the first bracket or brace to its last closing match (prose
+    around allowed). A cut-off array whose first items are whole is not complete."""
     body = text.strip()
     fenced = _FENCE.search(body)
     if fenced:
         body = fenced.group(1).strip()
-    candidates = [body]
-    for opening, closing in ("[]", "{}"):
-        start, end = body.find(opening), body.rfind(closing)
-        if 0 <= start < end:
-            candidates.append(body[start : end + 1])
-    for candidate in candidates:
-        try:
-            value = json.loads(candidate)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(value, list | dict):
-            return True
-    return False
+    openers = [index for index in (body.find("["), body.find("{")) if index >= 0]
+    if not openers:
+        return False
+    start = min(openers)
+    end = body.rfind("]" if body[start] == "[" else "}")
+    if end <= start:
+        return False
+    try:
+        value = json.loads(body[start : end + 1])
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(value, list | dict)
 
 
 def _finish_reason(response: Any) -> str | None:
