@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, Table, and_, case, delete, false, func, literal, or_, select, true
+from sqlalchemy import ColumnElement, Table, and_, case, delete, false, func, literal, or_, select, true, tuple_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -30,15 +30,25 @@ def _of_users(table: Table, users: str | Collection[str]) -> ColumnElement[bool]
 
 
 def observe_recalls(session: Session, table: Table, users: str | Collection[str], at: datetime) -> None:
-    """Record the users' current ``access_count`` per entry, noting growth as a recall (one statement)."""
+    """Record the users' current ``access_count`` per entry, noting growth as a recall (one statement).
+
+    Only entries with a count, or with a state row already, are written, and a state
+    row only when its count changed: an entry never recalled needs no row (no row reads
+    as a count of 0 seen and no recall), which keeps a look at a large table cheap.
+    """
     count = func.coalesce(table.c.access_count, 0)
-    source = select(
-        table.c.id,
-        table.c.user_id,
-        count,
-        case((count > 0, literal(at, EntryState.last_recalled_at.type)), else_=None),
-        literal(at, EntryState.seen_at.type),
-    ).where(_of_users(table, users))
+    known = EntryState.__table__.alias("known")
+    source = (
+        select(
+            table.c.id,
+            table.c.user_id,
+            count,
+            case((count > 0, literal(at, EntryState.last_recalled_at.type)), else_=None),
+            literal(at, EntryState.seen_at.type),
+        )
+        .select_from(table.outerjoin(known, known.c.entry_id == table.c.id))
+        .where(_of_users(table, users), or_(count > 0, known.c.entry_id.is_not(None)))
+    )
     columns = ["entry_id", "user_id", "access_count_seen", "last_recalled_at", "seen_at"]
     # Both dialects' INSERT speak the same ON CONFLICT; only the constructor differs.
     dialect_insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
@@ -53,6 +63,7 @@ def observe_recalls(session: Session, table: Table, users: str | Collection[str]
                 "access_count_seen": excluded.access_count_seen,
                 "seen_at": excluded.seen_at,
             },
+            where=EntryState.access_count_seen != excluded.access_count_seen,
         )
     )
 
@@ -76,23 +87,28 @@ def not_protected(table: Table, protected_categories: Collection[str]) -> Column
     return condition
 
 
-def _stale(table: Table, cutoff: datetime, last_access_column: str | None) -> ColumnElement[bool]:
+def _state_of(users: str | Collection[str]) -> ColumnElement[bool]:
+    if isinstance(users, str):
+        return EntryState.user_id == users
+    return EntryState.user_id.in_(sorted(users))
+
+
+def _stale(
+    table: Table, users: str | Collection[str], cutoff: datetime, last_access_column: str | None
+) -> ColumnElement[bool]:
     touched = func.coalesce(table.c.updated_at, table.c.created_at)
-    # Not recalled: Reverie has looked at the entry, saw no recall since the cutoff, and
-    # the row's access_count is still the one it saw. The count is compared with the
-    # row itself, so when the application recalls the entry while the DELETE waits for
-    # its row lock, PostgreSQL's re-check of this condition on the new row version
-    # (READ COMMITTED) lets the entry live. An entry never looked at is not stale yet.
-    unrecalled = (
-        select(EntryState.entry_id)
-        .where(
-            EntryState.entry_id == table.c.id,
-            EntryState.access_count_seen >= func.coalesce(table.c.access_count, 0),
-            or_(EntryState.last_recalled_at.is_(None), EntryState.last_recalled_at < cutoff),
-        )
-        .correlate(table)
-        .exists()
+    count = func.coalesce(table.c.access_count, 0)
+    # Not recalled: the entry's state row saw no recall since the cutoff and saw exactly
+    # the row's current access_count; an entry without a state row must have a count of
+    # 0. Both tests are uncorrelated subqueries over the users' state rows (hashed once
+    # per statement) that compare with the row itself: when the application recalls the
+    # entry while the DELETE waits for its row lock, PostgreSQL re-checks this
+    # condition on the new row version (READ COMMITTED) and the entry lives.
+    quiet = select(EntryState.entry_id, EntryState.access_count_seen).where(
+        _state_of(users), or_(EntryState.last_recalled_at.is_(None), EntryState.last_recalled_at < cutoff)
     )
+    known = select(EntryState.entry_id).where(_state_of(users))
+    unrecalled = or_(tuple_(table.c.id, count).in_(quiet), and_(count == 0, table.c.id.not_in(known)))
     condition = and_(touched < cutoff, unrecalled)
     if last_access_column:
         accessed = table.c[last_access_column]
@@ -121,12 +137,12 @@ def prunable_where(
     branches: list[ColumnElement[bool]] = []
     for agent, cutoff in agent_cutoffs.items():
         if cutoff is not None:
-            branches.append(and_(owner == agent, _stale(table, cutoff, last_access_column)))
+            branches.append(and_(owner == agent, _stale(table, users, cutoff, last_access_column)))
     if default_cutoff is not None:
         others: ColumnElement[bool] = true()
         if agent_cutoffs:
             others = or_(owner.is_(None), owner.not_in(sorted(agent_cutoffs)))
-        branches.append(and_(others, _stale(table, default_cutoff, last_access_column)))
+        branches.append(and_(others, _stale(table, users, default_cutoff, last_access_column)))
     if not branches:
         return false()
     condition = and_(_of_users(table, users), not_protected(table, protected_categories), or_(*branches))
