@@ -28,6 +28,11 @@ SHORTER_RATIO = 0.7
 LONGER_RATIO = 1.5
 MIN_WORDS_FOR_LENGTH = 20
 EVIDENCE_CHARS = 200
+#: The extraction prompt's limits (``tasks.session_end``): key and value lengths.
+MAX_KEY = 100
+MAX_VALUE = 1000
+#: A longer sentence is quoted from "my" on: still the user's exact words.
+MAX_EVIDENCE = 1000
 
 
 def snake_case(text: str) -> str:
@@ -45,9 +50,13 @@ def extract_facts(task: dict[str, Any]) -> list[dict[str, Any]]:
 
     Each is ``{"key", "value", "category", "evidence"}``: key = X in snake_case,
     value = Y without closing punctuation, category ``preference`` when X begins
-    with favorite/favourite/preferred else ``fact``, evidence = the sentence.
+    with favorite/favourite/preferred else ``fact``, evidence = the sentence (from
+    "my" on, when the sentence is longer than ``MAX_EVIDENCE``). Facts whose key or
+    value exceeds the prompt's limits are not proposed; a fact said again (same key
+    and value) is proposed once, as a model would.
     """
     facts: list[dict[str, Any]] = []
+    seen: set[tuple[str, str]] = set()
     messages = task.get("messages")
     if not isinstance(messages, list):
         return facts
@@ -57,7 +66,8 @@ def extract_facts(task: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         for sentence in sentences(content):
             fact = _fact_in(sentence)
-            if fact is not None:
+            if fact is not None and (fact["key"], fact["value"]) not in seen:
+                seen.add((fact["key"], fact["value"]))
                 facts.append(fact)
     return facts
 
@@ -71,8 +81,14 @@ def _fact_in(sentence: str) -> dict[str, Any] | None:
     key = snake_case(subject)
     if not key or not value or len(subject.split()) > 4:
         return None
+    # The prompt's own limits, as a model that follows it keeps them: a longer value is
+    # not a fact worth proposing, and echoing a huge sentence would only run the reply
+    # into the output ceiling (cut off: the whole signal fails, every time).
+    if len(key) > MAX_KEY or len(value) > MAX_VALUE:
+        return None
+    evidence = sentence if len(sentence) <= MAX_EVIDENCE else match.group(0).strip()
     category = "preference" if subject.lower().startswith(_PREFERENCE_WORDS) else "fact"
-    return {"key": key, "value": value, "category": category, "evidence": sentence}
+    return {"key": key, "value": value, "category": category, "evidence": evidence}
 
 
 def feedback_candidates(task: dict[str, Any]) -> list[dict[str, Any]]:
