@@ -2,25 +2,72 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+from datetime import timedelta
+
 from store import erase as erase_store
+from store import locks
 from store.db import session_scope
+from store.models import UserState
+from worker.errors import UserBusy
 from worker.logs import get_logger, user_ref
 from worker.payloads import check_identifier
 from worker.settings import Settings
 
 log = get_logger(__name__)
 
+#: How long the erasure's own lease lasts: only the gap between taking it and the
+#: erasing transaction, which removes it with the rest of the user's schedule row.
+ERASE_LEASE = timedelta(minutes=5)
+POLL_SECONDS = 0.1
 
-def erase_user(settings: Settings, user_id: str) -> dict[str, int]:
+
+def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None = None) -> dict[str, int]:
     """Remove every row about ``user_id`` in one transaction; rows removed per table.
 
     Signals for the user enqueued before this call are dropped (including one a worker
     is processing: it finds its signal gone and writes nothing); signals enqueued
-    afterwards are processed as usual. Raises ``InvalidSignal`` for an empty or
-    malformed user id.
+    afterwards are processed as usual.
+
+    A dream run for the user in progress is waited for first (the erasure takes the
+    user's dream lease, as a run does, and holds it until everything is gone): a run's
+    last writes, such as its ledger row and the user's next dream time, would otherwise
+    land after the erasure. The wait lasts at most ``wait_seconds`` (default: the dream
+    lease's length, after which a crashed run's lease has expired); then
+    :class:`~worker.errors.UserBusy` is raised and nothing is erased. Raises
+    ``InvalidSignal`` for an empty or malformed user id.
     """
     check_identifier("user_id", user_id, required=True)
+    had_schedule = _take_lease(settings, user_id, wait_seconds)
     with session_scope(settings) as session:
         counts = erase_store.erase_user(session, settings, user_id)
+    if not had_schedule and counts.get(UserState.__tablename__):
+        counts[UserState.__tablename__] -= 1  # the row the lease itself made: not the user's data
     log.info("user_erased", user=user_ref(user_id, settings.log_hash_key), rows=sum(counts.values()))
     return counts
+
+
+def _take_lease(settings: Settings, user_id: str, wait_seconds: float | None) -> bool:
+    """Take the user's dream lease, waiting for a run that holds it; whether the user
+    had a schedule row before (taking the lease makes one)."""
+    if wait_seconds is None:
+        from tasks.dream import lease_ttl
+
+        wait_seconds = lease_ttl(settings).total_seconds()
+    token = str(uuid.uuid4())
+    deadline = time.monotonic() + wait_seconds
+    logged = False
+    had_schedule: bool | None = None
+    while True:
+        with session_scope(settings) as session:
+            if had_schedule is None:
+                had_schedule = session.get(UserState, user_id) is not None
+            if locks.acquire(session, user_id, token, ERASE_LEASE):
+                return had_schedule
+        if time.monotonic() >= deadline:
+            raise UserBusy(user_ref(user_id, settings.log_hash_key))
+        if not logged:
+            log.info("erase_waits_for_dream_run", user=user_ref(user_id, settings.log_hash_key))
+            logged = True
+        time.sleep(POLL_SECONDS)

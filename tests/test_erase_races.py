@@ -1,0 +1,261 @@
+"""Erasure while the user's work is in flight (real PostgreSQL, worker threads).
+
+Afterwards nothing of the user remains in the memory table or any ``dream_`` table; a
+signal enqueued before the erasure never brings a memory back, however late it is
+processed; a signal enqueued after it is processed as usual (contract section 4). The
+interleavings are pinned with events where the order matters (a worker blocked inside
+its model call, a dream run blocked inside summarization); a randomized version runs
+many rounds of workers, erasures and new signals at once.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from store.db import session_scope
+from store.erase import rows_about
+from store.memories import table_for
+from store.models import Signal
+from tasks.dream import dream_user
+from tasks.erase import erase_user
+from tasks.signals import process_pending
+from worker import offline_model
+from worker.errors import UserBusy
+from worker.producer import enqueue_signal
+from worker.settings import Settings
+
+ROUNDS = 12
+SLOW_ROUNDS = 150
+
+
+def said(text: str, conversation: str = "c1") -> dict[str, Any]:
+    return {"conversation_id": conversation, "agent_id": "a", "messages": [{"role": "user", "content": text}]}
+
+
+class ModelGate:
+    """Blocks the offline model's answer for chosen purposes until released."""
+
+    def __init__(self, purposes: tuple[str, ...], jitter: float = 0.0) -> None:
+        self.purposes = purposes
+        self.jitter = jitter
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+        self._answer = offline_model.answer
+
+    def __call__(self, purpose: str, task: Any) -> str:
+        if purpose in self.purposes:
+            self.calls += 1
+            self.entered.set()
+            if self.jitter:
+                time.sleep(random.uniform(0, self.jitter))
+            else:
+                assert self.release.wait(30), "never released"
+        return self._answer(purpose, task)
+
+
+@pytest.fixture()
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., ModelGate]]:
+    made: list[ModelGate] = []
+
+    def install(*purposes: str, jitter: float = 0.0) -> ModelGate:
+        g = ModelGate(purposes, jitter)
+        monkeypatch.setattr(offline_model, "answer", g)
+        made.append(g)
+        return g
+
+    yield install
+    for g in made:
+        g.release.set()
+
+
+def nothing_left(settings: Settings, user: str) -> None:
+    with session_scope(settings) as session:
+        left = {table: n for table, n in rows_about(session, settings, user).items() if n}
+    assert left == {}
+
+
+def values_of(settings: Settings, user: str) -> set[str]:
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        return {str(r.value) for r in session.execute(select(table.c.value).where(table.c.user_id == user))}
+
+
+def start(target: Callable[..., Any], *args: Any, **kwargs: Any) -> threading.Thread:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target(*args, **kwargs)
+        except BaseException as exc:  # surfaced by join()
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.errors = errors  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def join(thread: threading.Thread) -> None:
+    thread.join(60)
+    assert not thread.is_alive(), "thread did not finish"
+    errors: list[BaseException] = thread.errors  # type: ignore[attr-defined]
+    if errors:
+        raise errors[0]
+
+
+def test_erasure_mid_model_call_writes_nothing_and_late_signals_stay_dropped(
+    pg_settings: Settings, gate: Callable[..., ModelGate]
+) -> None:
+    g = gate("extract_facts")
+    enqueue_signal("session_end", "ann", said("My favorite color is blue"), settings=pg_settings)
+    enqueue_signal("session_end", "ben", said("My favorite color is teal"), settings=pg_settings)
+    worker = start(process_pending, pg_settings, limit=1)  # claims ann's signal, blocks in the model
+    assert g.entered.wait(30)
+    # Enqueued before the erasure, still pending: must never take effect.
+    enqueue_signal("session_end", "ann", said("My dog is Rex", "c2"), settings=pg_settings)
+    erase_user(pg_settings, "ann", wait_seconds=5)
+    nothing_left(pg_settings, "ann")
+    # Enqueued after the erasure: processed as usual.
+    enqueue_signal("session_end", "ann", said("My favorite color is green", "c3"), settings=pg_settings)
+    g.release.set()
+    join(worker)
+    report = process_pending(pg_settings)
+    assert report.processed == 2  # ben's and ann's new one
+    assert values_of(pg_settings, "ann") == {"green"}
+    assert values_of(pg_settings, "ben") == {"teal"}
+    with session_scope(pg_settings) as session:
+        statuses = [s.status for s in session.scalars(select(Signal).where(Signal.user_id == "ann"))]
+    assert statuses == ["done"]
+
+
+def test_erasure_between_two_workers_in_flight(pg_settings: Settings, gate: Callable[..., ModelGate]) -> None:
+    g = gate("extract_facts", "feedback")
+    long = "Thanks for asking. " + "The report covers revenue, costs and the outlook for every region. " * 4
+    enqueue_signal("session_end", "ann", said("My name is Ann"), settings=pg_settings)
+    feedback = {"deliverable_id": "d", "original": long, "edited": "Short."}
+    enqueue_signal("feedback", "ann", feedback, settings=pg_settings)
+    enqueue_signal("activity", "ann", {"events": [{"action": "x", "at": "2024-05-06T09:00:00Z"}]}, settings=pg_settings)
+    workers = [start(process_pending, pg_settings, limit=1) for _ in range(2)]
+    assert g.entered.wait(30)
+    time.sleep(0.2)  # let the second worker claim the other signal
+    erase_user(pg_settings, "ann", wait_seconds=5)
+    g.release.set()
+    for w in workers:
+        join(w)
+    process_pending(pg_settings)
+    nothing_left(pg_settings, "ann")
+
+
+def seed_group(settings: Settings, user: str, n: int = 6) -> None:
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        for i in range(n):
+            session.execute(
+                table.insert().values(
+                    id=f"{user}-note-{i}",
+                    user_id=user,
+                    key=f"trip_note_{i}",
+                    value=f"note {i}",
+                    category="fact",
+                    source_agent_id="a",
+                )
+            )
+
+
+def test_erasure_waits_for_a_dream_run_in_progress_and_nothing_survives_it(
+    pg_settings: Settings, gate: Callable[..., ModelGate]
+) -> None:
+    g = gate("summarize")
+    seed_group(pg_settings, "ann")
+    seed_group(pg_settings, "ben")
+    run = start(dream_user, pg_settings, "ann")
+    assert g.entered.wait(30)  # the run holds ann's lease and is inside the model call
+    eraser = start(erase_user, pg_settings, "ann", wait_seconds=30)
+    time.sleep(0.5)
+    assert eraser.is_alive()  # waits for the run rather than erasing under it
+    g.release.set()
+    join(run)
+    join(eraser)
+    nothing_left(pg_settings, "ann")
+    with session_scope(pg_settings) as session:
+        assert sum(rows_about(session, pg_settings, "ben").values()) == 6
+
+
+def test_erasure_gives_up_when_a_run_holds_the_user_too_long(
+    pg_settings: Settings, gate: Callable[..., ModelGate]
+) -> None:
+    g = gate("summarize")
+    seed_group(pg_settings, "ann")
+    run = start(dream_user, pg_settings, "ann")
+    assert g.entered.wait(30)
+    with pytest.raises(UserBusy):
+        erase_user(pg_settings, "ann", wait_seconds=0.3)
+    g.release.set()
+    join(run)
+    assert values_of(pg_settings, "ann") != set()  # nothing was erased: the caller retries
+    erase_user(pg_settings, "ann", wait_seconds=5)
+    nothing_left(pg_settings, "ann")
+
+
+def one_round(settings: Settings, rng: random.Random, round_no: int) -> None:
+    victim, other = f"victim-{round_no}", f"other-{round_no}"
+    before = [f"before{round_no}x{i}" for i in range(rng.randint(1, 6))]
+    for i, word in enumerate(before):
+        enqueue_signal("session_end", victim, said(f"My code {i} is {word}", f"b{i}"), settings=settings)
+        enqueue_signal("session_end", other, said(f"My code {i} is {word}", f"b{i}"), settings=settings)
+    if rng.random() < 0.5:
+        seed_group(settings, victim)
+    workers = [start(process_pending, settings, limit=rng.randint(1, 8)) for _ in range(rng.randint(1, 3))]
+    dream = start(dream_user, settings, victim) if rng.random() < 0.4 else None
+    time.sleep(rng.uniform(0, 0.15))
+    erase_user(settings, victim, wait_seconds=30)
+    if dream is not None:
+        join(dream)  # started before the erasure: the erasure waited for it or it found the user gone
+    nothing_left_but_runs = {}
+    with session_scope(settings) as session:
+        nothing_left_but_runs = {t: n for t, n in rows_about(session, settings, victim).items() if n}
+    # A dream run the thread started only after the erasure may leave its own ledger
+    # and schedule rows (a run after the erasure is a new run); never any memory.
+    assert set(nothing_left_but_runs) <= {"dream_runs", "dream_user_state"}, nothing_left_but_runs
+    after = f"after{round_no}"
+    enqueue_signal("session_end", victim, said(f"My code word is {after}", "after"), settings=settings)
+    for w in workers:
+        join(w)
+    process_pending(settings)
+    assert values_of(settings, victim) == {after}
+    assert values_of(settings, other) == set(before)
+    with session_scope(settings) as session:
+        left = rows_about(session, settings, victim)
+        statuses = [s.status for s in session.scalars(select(Signal).where(Signal.user_id == victim))]
+    assert statuses == ["done"]
+    assert left["dream_archive"] == 0 and left["dream_observations"] == 0 and left["dream_contradictions"] == 0
+
+
+def run_rounds(settings: Settings, rounds: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(20261123)
+    real = offline_model.answer
+
+    def jittery(purpose: str, task: Any) -> str:
+        time.sleep(rng.uniform(0, 0.03))
+        return real(purpose, task)
+
+    monkeypatch.setattr(offline_model, "answer", jittery)
+    for round_no in range(rounds):
+        one_round(settings, rng, round_no)
+
+
+def test_randomized_erasures_among_workers(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_rounds(pg_settings, ROUNDS, monkeypatch)
+
+
+@pytest.mark.slow
+def test_randomized_erasures_among_workers_long(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_rounds(pg_settings, SLOW_ROUNDS, monkeypatch)
