@@ -6,11 +6,11 @@ erasure must not do.
 
 from __future__ import annotations
 
-from sqlalchemy import Table, delete, func, select
+from sqlalchemy import Table, delete, func, select, text
 from sqlalchemy.orm import Session
 
 from store.memories import table_for
-from store.models import Base, Run, Signal, Spend
+from store.models import ActivityEvent, Base, Run, Signal, Spend
 from worker.settings import Settings
 
 
@@ -24,6 +24,13 @@ def erase_user(session: Session, settings: Settings, user_id: str) -> dict[str, 
     """
     counts: dict[str, int] = {}
     counts[Signal.__tablename__] = _delete(session, Signal.__table__, user_id)  # type: ignore[arg-type]
+    if session.get_bind().dialect.name == "postgresql":
+        # Routine detection writes memories from activity rows in a transaction that
+        # starts with a DELETE on dream_activity: this lock waits for one in progress
+        # (so its writes are committed, then erased below) and holds off the next until
+        # this one commits (it then finds the user's activity gone). Taken after the
+        # signals, whose row locks an activity signal's apply holds before it inserts.
+        session.execute(text(f"LOCK TABLE {ActivityEvent.__tablename__} IN SHARE MODE"))
     memory = table_for(settings)
     counts[memory.name] = _delete(session, memory, user_id)
     run_ids = {str(i) for i in session.scalars(select(Run.id).where(Run.user_id == user_id))}

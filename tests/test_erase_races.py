@@ -14,6 +14,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -23,6 +24,9 @@ from store.db import session_scope
 from store.erase import rows_about
 from store.memories import table_for
 from store.models import Signal
+from store.types import now
+from tasks import activity
+from tasks.activity import detect_routines
 from tasks.dream import dream_user
 from tasks.erase import erase_user
 from tasks.signals import process_pending
@@ -203,6 +207,35 @@ def test_erasure_gives_up_when_a_run_holds_the_user_too_long(
     assert values_of(pg_settings, "ann") != set()  # nothing was erased: the caller retries
     erase_user(pg_settings, "ann", wait_seconds=5)
     nothing_left(pg_settings, "ann")
+
+
+def test_erasure_during_routine_detection_leaves_no_routine_behind(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = now().replace(hour=9, minute=0, second=0, microsecond=0)
+    weekly = [{"action": "digest", "at": (base - timedelta(days=7 * w)).isoformat()} for w in range(1, 6)]
+    enqueue_signal("activity", "ann", {"events": weekly}, settings=pg_settings)
+    enqueue_signal("activity", "ben", {"events": weekly}, settings=pg_settings)
+    process_pending(pg_settings)
+    entered, release = threading.Event(), threading.Event()
+    real = activity.routines_for
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(activity, "routines_for", held)
+    detector = start(detect_routines, pg_settings)  # has read ann's events, not yet written
+    assert entered.wait(30)
+    eraser = start(erase_user, pg_settings, "ann", wait_seconds=5)
+    time.sleep(0.5)
+    assert eraser.is_alive()  # waits for the detection's transaction
+    release.set()
+    join(detector)
+    join(eraser)
+    nothing_left(pg_settings, "ann")
+    assert values_of(pg_settings, "ben") != set()  # ben's routine was written
 
 
 def one_round(settings: Settings, rng: random.Random, round_no: int) -> None:
