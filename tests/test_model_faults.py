@@ -157,7 +157,7 @@ def test_signal_retries_are_bounded_with_backoff_then_dead_with_the_reason(
     SCRIPT.reset(then=fault)
     sid = enqueue_signal(kind, "u1", PAYLOADS[kind], settings=settings).signal_id
     delays = []
-    for _ in range(6):  # more passes than attempts: the extra ones must not call the model
+    for _ in range(4):  # one pass more than attempts: it must not call the model
         process_pending(settings)
         row = _signal(settings, sid)
         if row.status == "failed":
@@ -273,6 +273,8 @@ def test_a_misbehaving_model_leaves_the_originals_and_the_ledger_says_so(pg_sett
         assert session.scalar(select(func.count()).select_from(ArchivedEntry)) == 0
     run = _ledger(settings)
     assert (run.status, run.groups_deferred, run.entries_summarized, run.entries_written) == ("succeeded", 2, 0, 0)
+    assert run.error is not None and run.error.startswith("summarize: 2 group(s) deferred: 2 x ")
+    assert ("unusable reply" if fault in MALFORMED else f"scripted {fault}") in run.error
     assert run.cost_nano <= usd_to_nano(settings.max_cost_per_run) and _reserved_total(settings) == 0
 
     SCRIPT.reset()  # healthy again: the deferred groups are summarized by the next run
