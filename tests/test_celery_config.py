@@ -41,7 +41,9 @@ def test_delivery_is_at_least_once_and_nothing_waits_on_a_result() -> None:
     assert conf.task_acks_late is True
     assert conf.task_reject_on_worker_lost is True
     assert conf.worker_prefetch_multiplier == 1
-    assert conf.worker_cancel_long_running_tasks_on_connection_loss is True
+    # A task running when Redis goes away finishes its database work instead of being
+    # killed half-way; its message is redelivered only after the visibility timeout.
+    assert conf.worker_cancel_long_running_tasks_on_connection_loss is False
     assert conf.result_backend is None
     assert conf.task_ignore_result is True
     assert conf.task_serializer == "json"
@@ -51,6 +53,20 @@ def test_delivery_is_at_least_once_and_nothing_waits_on_a_result() -> None:
     assert {queue.name for queue in conf.task_queues} == set(QUEUES)
     # Distinct bindings: a message routed to one queue is delivered to that queue only.
     assert {(queue.exchange.name, queue.routing_key) for queue in conf.task_queues} == {(q, q) for q in QUEUES}
+
+
+def test_the_worker_reconnects_to_a_lost_broker_for_as_long_as_it_takes() -> None:
+    conf = app.conf
+    assert conf.broker_connection_retry is True
+    assert conf.broker_connection_retry_on_startup is True
+    # None is "forever"; Celery's default (100) stops consuming after about 45 minutes.
+    assert conf.broker_connection_max_retries is None
+    options = conf.broker_transport_options
+    # A dead connection fails a command within the socket timeout instead of hanging it;
+    # BRPOP waits 1 s at a time, well inside it.
+    assert 1 < options["socket_timeout"] <= 60
+    assert options["socket_keepalive"] is True
+    assert options["health_check_interval"] > 0
 
 
 def test_broker_comes_from_the_settings(redis_url: str) -> None:

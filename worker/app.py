@@ -6,8 +6,16 @@ least once" and every task is safe to run twice:
 
 - a message is acknowledged after its task ran (late ack), and put back if the child
   running it dies; a worker holds at most one message per process (prefetch 1);
-- tasks still running when the broker connection drops are cancelled, because Redis
-  will hand their messages to another worker after the visibility timeout;
+- when Redis goes away the worker reconnects by itself, for as long as it takes
+  (Celery's default gives up after 100 attempts, about 45 minutes, and the worker
+  then stops consuming for good); a half-open connection is noticed within the
+  socket timeout and Redis's health checks instead of hanging a publish forever;
+- tasks still running when the broker connection drops are left to finish, not
+  terminated: their work is in PostgreSQL and commits or rolls back on its own, and
+  Redis redelivers an unacknowledged message only after the visibility timeout, to a
+  task that then finds nothing left to do. Terminating them would only throw away
+  work in progress and leave a dream run half-way (Redis restarted without
+  persistence has forgotten the message anyway);
 - the visibility timeout outlives every task's hard time limit and every retry delay,
   so Redis never redelivers a message whose task is still running; future work is
   kept in PostgreSQL (``available_at``, ``next_dream_at``), never as a long countdown;
@@ -38,6 +46,8 @@ QUEUES = (SIGNALS_QUEUE, DREAMS_QUEUE, HOUSEKEEPING_QUEUE)
 #: Seconds Redis waits for an acknowledgement before it redelivers a message. Longer
 #: than the longest hard time limit (``worker.jobs``) and any retry countdown.
 VISIBILITY_TIMEOUT = 2 * 3600
+#: Seconds a command may wait on the broker's socket before the connection counts as lost.
+BROKER_SOCKET_TIMEOUT = 30
 
 ROUTES = {
     "signals.*": {"queue": SIGNALS_QUEUE},
@@ -53,9 +63,15 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     return {
         "broker_url": settings.broker_url,
         "broker_connection_retry_on_startup": True,
+        "broker_connection_retry": True,
+        "broker_connection_max_retries": None,
         "broker_transport_options": {
             "visibility_timeout": VISIBILITY_TIMEOUT,
             "socket_connect_timeout": 5,
+            # Longer than BRPOP's own 1 s timeout; bounds a command on a dead connection.
+            "socket_timeout": BROKER_SOCKET_TIMEOUT,
+            "socket_keepalive": True,
+            "health_check_interval": 25,
             "fanout_prefix": True,
             "fanout_patterns": True,
         },
@@ -67,7 +83,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         # Default limits for a task that declares none; each task in worker.jobs sets its own.
         "task_soft_time_limit": 240,
         "task_time_limit": 300,
