@@ -8,9 +8,10 @@ rolls back on error. Driver errors that mean "the database is not there" become
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.engine import make_url
@@ -21,6 +22,7 @@ from worker.errors import ConfigError, DatabaseUnavailable, SchemaMissing
 from worker.settings import Settings
 
 _engines: dict[tuple[int, str], Engine] = {}
+T = TypeVar("T")
 
 #: ``application_name`` of Reverie's PostgreSQL sessions unless the URL names another.
 APPLICATION_NAME = "reverie"
@@ -106,6 +108,29 @@ def session_scope(settings: Settings) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def closing_transaction(
+    settings: Settings, work: Callable[[Session], T], *, attempts: int = 5, pause: float = 0.2
+) -> T:
+    """Run ``work`` in a transaction of its own, again on a fresh connection when the
+    connection was lost (:class:`DatabaseUnavailable`), up to ``attempts`` times.
+
+    For the short transactions that close what a task opened (a run's ledger row, a
+    lease): one dropped connection must not leave them open until a lease runs out.
+    ``work`` must be safe to repeat, since a commit whose reply was lost may have
+    happened. Raises the last :class:`DatabaseUnavailable` when every attempt failed.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            with session_scope(settings) as session:
+                return work(session)
+        except DatabaseUnavailable:
+            if attempt == attempts:
+                raise
+            # The pool's pre-ping replaces dead connections on the next checkout.
+            time.sleep(pause * attempt)
+    raise AssertionError("unreachable")
 
 
 @contextmanager

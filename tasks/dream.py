@@ -13,10 +13,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from sqlalchemy.orm import Session
+
 from store import locks, runs, schedule
 from store import policies as policy_store
 from store import spend as spend_store
-from store.db import get_engine, session_scope
+from store.db import closing_transaction, get_engine, session_scope
 from store.runs import RunCounts
 from store.spend import BudgetLine
 from store.types import nano_to_usd, now, usd_to_nano
@@ -97,8 +99,7 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
     try:
         _run(settings, user_id, token=token, ttl=ttl, at=at, policies=policies, agent_id=agent_id, outcome=outcome)
     finally:
-        with session_scope(settings) as session:
-            locks.release(session, user_id, token)
+        closing_transaction(settings, lambda session: locks.release(session, user_id, token))
         metrics.DURATION.observe(time.monotonic() - started)
     return outcome
 
@@ -195,7 +196,7 @@ def _owners(policies: PolicyBook, agent_id: str | None) -> Collection[str] | Non
 
 
 def _finish(settings: Settings, user_id: str, run_id: int, started: datetime, outcome: RunOutcome) -> None:
-    with session_scope(settings) as session:
+    def close(session: Session) -> None:
         cost_nano = spend_store.spent_nano(session, "run", budget.run_key(run_id))
         outcome.cost_usd = nano_to_usd(cost_nano)
         runs.finish_run(
@@ -205,6 +206,9 @@ def _finish(settings: Settings, user_id: str, run_id: int, started: datetime, ou
         if outcome.groups_deferred:
             # Work left over (budget, transient errors) is carried to the next pass.
             schedule.mark_dirty(session, user_id)
+
+    # Retried on a lost connection: a run must not stay "running" because one died.
+    closing_transaction(settings, close)
     _report(settings, outcome)
 
 
@@ -372,7 +376,8 @@ class _Chunk:
             if outcome.status == "running":
                 outcome.status = "failed"
                 outcome.error = outcome.error or "the chunk stopped before this run finished"
-        with session_scope(self.settings) as session:
+
+        def close(session: Session) -> None:
             costs: dict[int, int] = {}
             for outcome in outcomes:
                 if outcome.run_id is not None and _summarizes(self.policies):
@@ -393,6 +398,10 @@ class _Chunk:
                 # Work left over (budget, time, transient errors) is carried to the next pass.
                 schedule.mark_dirty(session, user_id)
             locks.release_many(session, sorted(self.outcomes), self.token)
+
+        # Retried on a lost connection: the runs must not stay "running", nor the
+        # leases held, because one connection died.
+        closing_transaction(self.settings, close)
         for outcome in outcomes:
             # The chunk's wall time, shared out: what one user's run cost.
             metrics.DURATION.observe(elapsed / len(outcomes))
