@@ -77,6 +77,11 @@ class Service:
         argv += ["--loglevel", "INFO", "--without-gossip", "--without-mingle"]
         return self._start(name, argv, env)
 
+    def worker_ready(self) -> bool:
+        """Whether the latest worker has said it is ready (connected and consuming)."""
+        log = self.tmp / f"worker{self.count}.log"
+        return log.exists() and "ready." in log.read_text(errors="replace")
+
     def beat(self) -> subprocess.Popen[bytes]:
         reverie = str(Path(sys.executable).parent / "reverie")
         argv = [reverie, "beat", "--schedule", str(self.tmp / "beat-state"), "--loglevel", "INFO"]
