@@ -10,6 +10,7 @@ many rounds of workers, erasures and new signals at once.
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import threading
 import time
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from store.db import session_scope
+from store.db import dispose_engines, session_scope
 from store.erase import rows_about
 from store.memories import table_for
 from store.models import Signal
@@ -156,6 +157,47 @@ def test_erasure_between_two_workers_in_flight(pg_settings: Settings, gate: Call
         join(w)
     process_pending(pg_settings)
     nothing_left(pg_settings, "ann")
+
+
+def _worker_process(settings: Settings, entered: Any, release: Any) -> None:
+    """A worker in a process of its own: claims one signal, blocks inside the model call."""
+
+    real = offline_model.answer
+
+    def gated(purpose: str, task: Any) -> str:
+        entered.set()
+        release.wait(60)
+        return real(purpose, task)
+
+    offline_model.answer = gated  # type: ignore[assignment]  # this process only
+    process_pending(settings, limit=1)
+
+
+def test_erasure_while_worker_processes_hold_the_users_signals(pg_settings: Settings) -> None:
+    # Forked, not spawned: the children start with the model gateway already imported
+    # (seconds of imports each otherwise) and with no database connection of ours.
+    offline_model.build_handler()
+    dispose_engines()
+    context = multiprocessing.get_context("fork")
+    for i in range(2):
+        enqueue_signal("session_end", "ann", said(f"My code {i} is before{i}", f"c{i}"), settings=pg_settings)
+    release = context.Event()
+    entered = [context.Event() for _ in range(2)]
+    workers = [context.Process(target=_worker_process, args=(pg_settings, e, release)) for e in entered]
+    for w in workers:
+        w.start()
+    try:
+        assert all(e.wait(60) for e in entered)  # both signals claimed, both mid-model-call
+        erase_user(pg_settings, "ann", wait_seconds=5)
+        nothing_left(pg_settings, "ann")
+        enqueue_signal("session_end", "ann", said("My code word is after", "c9"), settings=pg_settings)
+    finally:
+        release.set()
+        for w in workers:
+            w.join(60)
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert process_pending(pg_settings).processed == 1
+    assert values_of(pg_settings, "ann") == {"after"}
 
 
 def seed_group(settings: Settings, user: str, n: int = 6) -> None:
