@@ -17,7 +17,7 @@ VALUES = ("blue", "Lisbon", "vim", "platform", "green tea", "staff engineer", "R
 BASE_TIME = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
 
 #: The realistic mix of ``P5``: mostly activity and session ends, some feedback.
-MIX = (("activity", 0.55), ("session_end", 0.40), ("feedback", 0.05))
+MIX = (("activity", 0.80), ("session_end", 0.15), ("feedback", 0.05))
 
 
 @dataclass(frozen=True)

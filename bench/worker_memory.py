@@ -37,7 +37,7 @@ SAMPLE_SECONDS = 0.5
 CHUNK = 1000
 MAX_BACKLOG = 3000
 FULL = 100_000
-QUICK = 300
+QUICK = 200
 
 
 def rss_mb(pid: int) -> float | None:
@@ -124,12 +124,16 @@ def run_stream(bench: Bench, total: int, sampler: Sampler) -> dict[str, int]:
     first_id: int | None = None
     last_id = 0
     counts: dict[str, int] = {}
+    reported = 0
     while True:
         if first_id is not None:
             counts = count_final(bench, first_id, last_id)
             sampler.progress[0] = sum(counts.get(s, 0) for s in ("done", "rejected", "dead"))
         if sent >= total and sampler.progress[0] >= total:
             return counts
+        if sampler.progress[0] >= reported + total // 10:
+            reported = sampler.progress[0]
+            print(f"  {reported} of {total} signals finished", file=sys.stderr, flush=True)
         if worker.poll() is not None:
             raise RuntimeError(f"the worker exited ({worker.returncode}): {bench.log_tail('memory')}")
         if sent < total and sent - sampler.progress[0] < MAX_BACKLOG:
@@ -140,7 +144,7 @@ def run_stream(bench: Bench, total: int, sampler: Sampler) -> dict[str, int]:
             last_id = ids[-1]
             sent += size
         else:
-            time.sleep(0.25)
+            time.sleep(1.0)
 
 
 def measure_stream(total: int) -> tuple[list[Verdict], dict[str, int], float]:
