@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
@@ -60,8 +62,9 @@ QUEUE = "signals"
 FINAL = ("done", "rejected", "dead")
 
 GOAL_RATIO = 0.5
-#: Producer threads of the sustained run.
-PRODUCERS = 4
+#: Producers of the sustained run: processes, and threads in each.
+PRODUCER_PROCESSES = 2
+PRODUCER_THREADS = 2
 GOAL_P99_SECONDS = 2.0
 
 
@@ -343,35 +346,84 @@ class Sustained:
     statuses: dict[str, int]
 
 
-def sustained(bench: Bench, kind: str, rate: float, seconds: float, *, seed: int) -> Sustained:
-    """``enqueue_signal`` at ``rate`` per second for ``seconds``; latency of each row.
-
-    Signal ``n`` is due at ``n / rate`` seconds; :data:`PRODUCERS` threads share the
-    schedule, so one slow enqueue does not hold back the next ones.
-    """
+def _produce(
+    bench: Bench, specs: list[SignalSpec], offsets: list[int], step: int, rate: float, started: float
+) -> list[int]:
+    """Enqueue ``specs[offset::step]`` for each offset (one thread each), signal ``n``
+    at ``started + n / rate``; the ids, in no particular order."""
     from worker.producer import enqueue_signal
 
-    total = max(int(rate * seconds), 1)
-    specs = list(signals(kind, total, seed=seed, start=seed * 1_000_000))
     ids: list[int] = []
-    started = time.perf_counter()
+    failures: list[BaseException] = []
 
     def produce(offset: int) -> None:
-        for n in range(offset, total, PRODUCERS):
-            delay = started + n / rate - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            spec = specs[n]
-            done = enqueue_signal(
-                spec.kind, spec.user_id, spec.payload, agent_id=spec.agent_id, settings=bench.settings
-            )
-            ids.append(done.signal_id)
+        try:
+            for n in range(offset, len(specs), step):
+                delay = started + n / rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                spec = specs[n]
+                done = enqueue_signal(
+                    spec.kind, spec.user_id, spec.payload, agent_id=spec.agent_id, settings=bench.settings
+                )
+                ids.append(done.signal_id)
+        except Exception as exc:
+            failures.append(exc)
 
-    threads = [threading.Thread(target=produce, args=(offset,), daemon=True) for offset in range(PRODUCERS)]
+    threads = [threading.Thread(target=produce, args=(offset,), daemon=True) for offset in offsets]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if failures:
+        raise RuntimeError(f"a producer failed: {failures[0]!r}")
+    return ids
+
+
+def _producer_process(
+    bench: Bench, specs: list[SignalSpec], offsets: list[int], step: int, rate: float, started: float, out: Any
+) -> None:
+    try:
+        out.put(_produce(bench, specs, offsets, step, rate, started))
+    except BaseException as exc:
+        out.put(repr(exc))
+
+
+def sustained(bench: Bench, kind: str, rate: float, seconds: float, *, seed: int) -> Sustained:
+    """``enqueue_signal`` at ``rate`` per second for ``seconds``; latency of each row.
+
+    Signal ``n`` is due at ``n / rate`` seconds. :data:`PRODUCER_PROCESSES` processes
+    of :data:`PRODUCER_THREADS` threads share the schedule, so one slow enqueue (or
+    the producers' own CPU) does not hold back the next ones.
+    """
+    total = max(int(rate * seconds), 1)
+    specs = list(signals(kind, total, seed=seed, start=seed * 1_000_000))
+    step = PRODUCER_PROCESSES * PRODUCER_THREADS
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    started = time.perf_counter() + 0.5
+    procs = [
+        context.Process(
+            target=_producer_process,
+            args=(bench, specs, list(range(p, step, PRODUCER_PROCESSES)), step, rate, started, out),
+            daemon=True,
+        )
+        for p in range(PRODUCER_PROCESSES)
+    ]
+    for proc in procs:
+        proc.start()
+    ids: list[int] = []
+    try:
+        for _ in procs:
+            part = out.get(timeout=seconds * 10 + 120)
+            if isinstance(part, str):
+                raise RuntimeError(f"a producer process failed: {part}")
+            ids.extend(part)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
     produced = time.perf_counter() - started
     if len(ids) != total:
         raise RuntimeError(f"the producers enqueued {len(ids)} of {total} signals")
@@ -459,7 +511,8 @@ def rows(noop: Drain, activity: Drain, session_end: Drain, steady: Sustained) ->
         Row(
             "P2",
             f"activity at {steady.achieved_rate:.0f}/s (target: half max, {steady.target_rate:.0f}/s) "
-            f"for {steady.seconds:.0f} s (enqueue_signal, {PRODUCERS} threads), latency p50",
+            f"for {steady.seconds:.0f} s (enqueue_signal, {PRODUCER_PROCESSES}x{PRODUCER_THREADS} producers), "
+            "latency p50",
             f"{steady.p50 * 1000:.0f} ms",
         )
     )
