@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Text, and_, cast, func, or_, select, text, tuple_, update
+from sqlalchemy import Text, and_, cast, exists, func, or_, select, text, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session, defer
+from sqlalchemy.orm import Session, aliased, defer
 
 from store.models import Signal
 from store.types import now
@@ -188,7 +188,19 @@ def claim_signals(
     candidates = select(Signal.id).where(_claimable(at)).limit(limit)
     if signal_id is not None and also_kinds:
         wanted = Signal.id == signal_id
-        candidates = candidates.where(or_(wanted, Signal.kind.in_(also_kinds))).order_by(wanted.desc(), Signal.id)
+        # A signal whose lease expired was in flight when its worker died, and may be
+        # what killed it: it is claimed only by its own wake-up, and then alone. Batched
+        # with others, one crash would cost every signal of the batch an attempt each
+        # time, until all of them were dead.
+        suspect = aliased(Signal)
+        wanted_is_suspect = exists().where(suspect.id == signal_id, suspect.status == "processing")
+        fill = and_(
+            Signal.kind.in_(also_kinds),
+            Signal.status.in_(READY_STATUSES),
+            Signal.available_at <= at,
+            ~wanted_is_suspect,
+        )
+        candidates = candidates.where(or_(wanted, fill)).order_by(wanted.desc(), Signal.id)
     elif signal_id is not None:
         candidates = candidates.where(Signal.id == signal_id)
     else:
