@@ -193,7 +193,9 @@ def claim_signals(
         # with others, one crash would cost every signal of the batch an attempt each
         # time, until all of them were dead.
         suspect = aliased(Signal)
-        wanted_is_suspect = exists().where(suspect.id == signal_id, suspect.status == "processing")
+        wanted_is_suspect = exists().where(
+            suspect.id == signal_id, suspect.status == "processing", suspect.claimed_until < at
+        )
         fill = and_(
             Signal.kind.in_(also_kinds),
             Signal.status.in_(READY_STATUSES),
