@@ -159,7 +159,9 @@ def process_signal(settings: Settings, signal_id: int) -> str:
     The same claim takes up to ``WAKEUP_BATCH - 1`` other due signals (oldest first,
     of :func:`batch_kinds`), which are processed with it and their effects committed
     together: under a backlog one wake-up does the work of many, and the wake-ups of
-    signals already done cost one claim that finds nothing.
+    signals already done cost one claim that finds nothing. The price: a worker killed
+    mid-batch leaves every signal of the batch to its lease (each has used an
+    attempt), where it would have left one.
     """
     buried: list[tuple[int, str]] = []
     with _statement_scope(settings) as session:
