@@ -3,7 +3,7 @@
 It makes sure the tools the suite drives for real are here (Debian's ``prometheus``
 package, installed when running as root with apt), that PostgreSQL and Redis answer
 (starting the local servers when their usual start commands exist), then runs pytest
-with the arguments given (default: everything but the long-form ``slow`` runs).
+with the arguments given; the long-form ``slow`` runs only with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,10 @@ def main() -> int:
     ensure_prometheus()
     import pytest
 
-    args = sys.argv[1:] or ["-m", "not slow"]
+    args = sys.argv[1:]
+    # The long-form runs are opt-in, also when only some files are named.
+    if not any(arg == "-m" or arg.startswith("-m") for arg in args):
+        args = ["-m", "not slow", *args]
     return int(pytest.main(args))
 
 
