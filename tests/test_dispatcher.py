@@ -300,9 +300,8 @@ def test_next_slot_is_between_half_and_one_and_a_half_intervals_ahead(interval_h
 def test_the_dispatcher_benchmark_runs_in_its_quick_mode(capsys: pytest.CaptureFixture[str]) -> None:
     from bench import dispatcher_tick
 
-    figures = dispatcher_tick.main(["--users", "2000", "--due", "100"])
+    assert dispatcher_tick.main(["--quick"]) == 0
 
-    assert figures.claimed == 100
     out = capsys.readouterr().out
     assert "Update on dream_user_state" in out
-    assert "tick database work" in out
+    assert "| P3 " in out
