@@ -1,8 +1,10 @@
-"""One user's dream run: lock, ledger row, prune, contradictions, summarize, record.
+"""Dream runs: lock, ledger row, prune, contradictions, summarize, record.
 
-:func:`dream_user` is what the Celery task and ``reverie run`` call. Each step commits
-on its own (the model calls of summarization run outside any transaction); the ledger
-row records counts, cost, status and, for a failed run, the reason.
+:func:`dream_user` is one user's run (``dream.run_user``, on demand);
+:func:`dream_users` runs a chunk of users with set-based statements
+(``dream.run_users`` from the dispatcher, and ``reverie run``). Each step commits on its
+own (the model calls of summarization run outside any transaction); the ledger row of
+each run records counts, cost, status and, for a failed run, the reason.
 """
 
 from __future__ import annotations
