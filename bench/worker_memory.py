@@ -6,7 +6,9 @@ A real ``celery worker`` (``-c 2``, the production configuration: no
 activity and session ends, some feedback), INSERTed by plain SQL in chunks and woken
 in bulk (the sweeper's :func:`worker.wakeup.wake_signals`), the backlog kept under
 :data:`MAX_BACKLOG`. The RSS of the worker's parent and of each pool child is read
-from ``/proc`` every :data:`SAMPLE_SECONDS`.
+from ``/proc`` every :data:`SAMPLE_SECONDS`, and their PSS (the same memory with the
+pages the children share with the parent, such as the preloaded LLM gateway, counted
+once across the processes) is shown beside it.
 
 Goals, per process: flat after warm-up (the median RSS of the last fifth of the run
 at most the first fifth's plus :data:`TOLERANCE_MB`, warm-up being the first
@@ -51,6 +53,18 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def pss_mb(pid: int) -> float | None:
+    """Proportional set size of ``pid`` in MiB: pages shared with the parent and the
+    other children count a share each (None once the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def children(pid: int) -> list[int]:
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
@@ -68,6 +82,7 @@ class Sampler:
     parent: int
     progress: list[int]  # [signals finished], updated by the producer
     samples: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    pss_peak: dict[str, float] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -84,6 +99,9 @@ class Sampler:
                 value = rss_mb(pid)
                 if value is not None:
                     self.samples.setdefault(name, []).append((self.progress[0], value))
+                pss = pss_mb(pid)
+                if pss is not None:
+                    self.pss_peak[name] = max(pss, self.pss_peak.get(name, 0.0))
 
 
 @dataclass
@@ -92,6 +110,7 @@ class Verdict:
     first: float
     last: float
     peak: float
+    pss_peak: float
 
     @property
     def growth(self) -> float:
@@ -112,6 +131,7 @@ def verdicts(sampler: Sampler, total: int) -> list[Verdict]:
                 statistics.median(steady[:fifth]),
                 statistics.median(steady[-fifth:]),
                 max(mb for _, mb in samples),
+                sampler.pss_peak.get(name, float("nan")),
             )
         )
     return out
@@ -194,6 +214,7 @@ def rows(total: int, found: list[Verdict], counts: dict[str, int], elapsed: floa
                 passed=v.peak < LIMIT_MB,
             )
         )
+        out.append(Row("P5", f"PSS {v.name}: peak (shared pages split among sharers)", f"{v.pss_peak:.1f} MB"))
     return out
 
 

@@ -114,3 +114,31 @@ def test_json_is_found_in_fences_and_prose_but_not_in_a_cut_reply() -> None:
         '"just a string"',
     ):
         assert not llm.has_json(text), text
+
+
+def test_worker_main_process_preloads_the_gateway_before_its_pool_forks(tmp_path: Any) -> None:
+    # A fresh interpreter, as `celery worker` starts: the hook must load litellm and the
+    # tokenizer there (so prefork children share the pages) and freeze what it loaded.
+    import subprocess
+    import sys
+
+    script = (
+        "import gc, sys\n"
+        "from worker import celery_hooks\n"
+        "from worker.settings import get_settings\n"
+        "assert 'litellm' not in sys.modules\n"
+        "celery_hooks._preload_gateway(get_settings())\n"
+        "print('litellm' in sys.modules, gc.get_freeze_count() > 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "LITELLM_LOCAL_MODEL_COST_MAP": "True", "REVERIE_LOG_FORMAT": "json"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1].split() == ["True", "True"]
+    assert "llm gateway preloaded" in done.stderr + done.stdout

@@ -16,6 +16,7 @@ The periodic ``dream_signals_pending`` refresh is :func:`refresh_pending_gauge`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import os
 import sys
@@ -32,7 +33,7 @@ from worker.errors import ReverieError
 from worker.logging_setup import configure_logging, route_litellm_logging
 from worker.logs import get_logger
 from worker.metrics_server import refresh_pending_gauge
-from worker.settings import get_settings
+from worker.settings import Settings, get_settings
 
 __all__ = ["refresh_pending_gauge"]
 
@@ -76,6 +77,7 @@ def _worker_init(**_: Any) -> None:
     settings = get_settings()
     # worker_init comes before Celery's setup_logging; these first lines need the format too.
     configure_logging(settings)
+    _preload_gateway(settings)
     directory = metrics_server.multiprocess_dir()
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -93,6 +95,23 @@ def _worker_init(**_: Any) -> None:
         log.error("metrics endpoint not started", error=str(exc))
         return
     log.info("metrics endpoint serving", port=_server.port, path="/metrics")
+
+
+def _preload_gateway(settings: Settings) -> None:
+    """Load the LLM gateway once in the main process, before the pool forks."""
+    from worker import llm
+
+    try:
+        took = llm.preload(settings)
+    except Exception as exc:
+        # The children import it again on their first model call, and fail there with a
+        # typed error; signals that need no model must not wait for that.
+        log.warning("llm gateway not preloaded", error_type=type(exc).__name__)
+    else:
+        log.info("llm gateway preloaded", seconds=round(took, 2))
+    # What is loaded now lives as long as the process: keep the cyclic collector off
+    # these objects, so it does not touch (and so copy) their pages in every child.
+    gc.freeze()
 
 
 def _worker_shutdown(**_: Any) -> None:

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,18 @@ def prices(settings: Settings) -> tuple[float, float]:
     if in_price is None or out_price is None:
         raise PermanentError(f"model {settings.llm_model!r} is unpriced; set REVERIE_LLM_*_COST_PER_TOKEN")
     return float(in_price), float(out_price)
+
+
+def preload(settings: Settings) -> float:
+    """Import and configure litellm and load the tokenizer the configured model counts
+    with; returns the seconds it took.
+
+    The worker's main process calls this before it forks its pool, so the children
+    share these pages (about 160 MB) instead of each importing a copy of its own.
+    """
+    started = time.monotonic()
+    count_text_tokens(settings, "warm")
+    return time.monotonic() - started
 
 
 def count_prompt_tokens(settings: Settings, messages: list[dict[str, str]]) -> int:
