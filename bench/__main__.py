@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown measure(s) {', '.join(unknown)}; choose from {', '.join(MEASURES)}")
 
+    from worker.logging_setup import configure_logging
+    from worker.settings import Settings
+
+    # The table goes to stdout alone; what the code under test logs goes to stderr.
+    configure_logging(Settings(_env_file=None, log_level="WARNING"))  # type: ignore[call-arg]
     rows: list[Row] = []
     started = time.perf_counter()
     for measure in chosen:

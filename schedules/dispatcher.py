@@ -9,16 +9,15 @@ cannot be sent, its users are released and the next tick picks them up again.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 
 from store import dispatch as dispatch_store
 from store.db import session_scope
 from store.types import now
-from worker.errors import BrokerUnavailable, DatabaseUnavailable, ReverieError, TransientError, UserBusy
-from worker.logs import get_logger, user_ref
+from worker.errors import BrokerUnavailable
+from worker.logs import get_logger
 from worker.settings import Settings
 
 #: Sends one chunk of user ids (``dream.run_users``); raises :class:`BrokerUnavailable`.
@@ -84,59 +83,3 @@ def adopt(settings: Settings, *, at: datetime | None = None) -> int:
     if adopted:
         log.info("dispatch.adopted", users=adopted)
     return adopted
-
-
-@dataclass
-class ChunkResult:
-    """How a chunk of dispatched users went. ``remaining`` were not started: hand them
-    on (``transient`` says whether to wait first, because the database is away)."""
-
-    dreamed: int = 0
-    busy: int = 0
-    failed: int = 0
-    remaining: list[str] = field(default_factory=list)
-    transient: ReverieError | None = None
-
-
-def run_chunk(
-    user_ids: Sequence[str],
-    run_user: Callable[[str], object],
-    *,
-    budget_seconds: float,
-    interrupts: tuple[type[BaseException], ...] = (),
-    clock: Callable[[], float] = time.monotonic,
-) -> ChunkResult:
-    """Dream each user in turn until the time budget is spent.
-
-    One user's failure does not cost the others their run: it is logged and counted,
-    and the chunk goes on. A transient error (the database or the model is away) stops
-    the chunk, since the next user would fail the same way. ``interrupts`` (the soft
-    time limit) abandon the current user and stop the chunk.
-    """
-    result = ChunkResult()
-    started = clock()
-    for index, user_id in enumerate(user_ids):
-        if index and clock() - started >= budget_seconds:
-            result.remaining = list(user_ids[index:])
-            break
-        try:
-            run_user(user_id)
-        except UserBusy:
-            result.busy += 1
-        except (TransientError, DatabaseUnavailable) as exc:
-            result.remaining = list(user_ids[index:])
-            result.transient = exc
-            break
-        except interrupts:
-            log.warning("dream.chunk_interrupted", user=user_ref(user_id), left=len(user_ids) - index - 1)
-            result.failed += 1
-            result.remaining = list(user_ids[index + 1 :])
-            break
-        except Exception as exc:
-            # A bulkhead: one user's bug must not cost the rest of the chunk their run.
-            # Named by type only: a driver's message can quote the row it failed on.
-            log.error("dream.user_failed", user=user_ref(user_id), error_type=type(exc).__name__)
-            result.failed += 1
-        else:
-            result.dreamed += 1
-    return result

@@ -149,12 +149,12 @@ def _prune_and_detect(
     outcome: RunOutcome,
 ) -> None:
     run_id = outcome.run_id
-    # Pruning and contradictions are set-based and quick: one transaction.
+    # Pruning and contradictions are set-based and quick: one transaction. The counts
+    # are taken only once it has committed: a rolled-back prune removed nothing.
     with session_scope(settings) as session:
-        outcome.entries_pruned = prune_user(
-            session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id
-        )
+        pruned = prune_user(session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id)
         found = detect(session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id)
+    outcome.entries_pruned = pruned
     outcome.contradictions_found = found.found
     outcome.contradictions_resolved = found.resolved
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from datetime import datetime, timedelta
 
+from sqlalchemy import ColumnElement, Table
 from sqlalchemy.orm import Session
 
 from store import entry_state
@@ -20,6 +21,27 @@ from worker.settings import Settings
 
 def _cutoff(policy: Policy, at: datetime) -> datetime | None:
     return at - timedelta(days=policy.pruneStaleAfterDays) if policy.prunes else None
+
+
+def _stale_where(
+    settings: Settings,
+    table: Table,
+    users: str | Collection[str],
+    *,
+    book: PolicyBook,
+    owners: Collection[str] | None,
+    at: datetime,
+) -> ColumnElement[bool]:
+    """The users' stale entries, each judged by its owner's policy (see ``entry_state``)."""
+    return entry_state.prunable_where(
+        table,
+        users,
+        agent_cutoffs={agent: _cutoff(policy, at) for agent, policy in book.agents.items()},
+        default_cutoff=_cutoff(book.default, at),
+        owners=owners,
+        protected_categories=settings.protected_category_set,
+        last_access_column=settings.memory_last_access_column,
+    )
 
 
 def prune_user(
@@ -39,15 +61,7 @@ def prune_user(
     """
     table = table_for(settings)
     entry_state.observe_recalls(session, table, user_id, at)
-    where = entry_state.prunable_where(
-        table,
-        user_id,
-        agent_cutoffs={agent: _cutoff(policy, at) for agent, policy in book.agents.items()},
-        default_cutoff=_cutoff(book.default, at),
-        owners=owners,
-        protected_categories=settings.protected_category_set,
-        last_access_column=settings.memory_last_access_column,
-    )
+    where = _stale_where(settings, table, user_id, book=book, owners=owners, at=at)
     removed = remove_entries(session, table, where, reason="prune", source="prune", run_id=run_id)
     entry_state.forget_missing(session, table, user_id)
     return len(removed)
@@ -66,15 +80,7 @@ def prune_users(
     if not users:
         return counts
     entry_state.observe_recalls(session, table, users, at)
-    where = entry_state.prunable_where(
-        table,
-        users,
-        agent_cutoffs={agent: _cutoff(policy, at) for agent, policy in book.agents.items()},
-        default_cutoff=_cutoff(book.default, at),
-        owners=None,
-        protected_categories=settings.protected_category_set,
-        last_access_column=settings.memory_last_access_column,
-    )
+    where = _stale_where(settings, table, users, book=book, owners=None, at=at)
     for removed in remove_entries_of_runs(session, table, where, runs, reason="prune", source="prune"):
         counts[removed.user_id] += 1
     entry_state.forget_missing(session, table, users)

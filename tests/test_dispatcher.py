@@ -17,7 +17,7 @@ from store.memories import table_for
 from store.models import UserState
 from store.seed import insert_entries
 from store.types import now
-from worker.errors import BrokerUnavailable, DatabaseUnavailable, PermanentError
+from worker.errors import BrokerUnavailable
 from worker.settings import Settings
 
 HOUR = 3600.0
@@ -231,60 +231,6 @@ def test_adopt_schedules_memory_users_without_a_schedule_row(store_settings: Set
     state = _state(store_settings)
     assert state["fresh"].next_dream_at == at
     assert state["known"].next_dream_at == at + timedelta(hours=5)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def test_run_chunk_isolates_a_failing_user_and_stops_on_transient_errors() -> None:
-    seen: list[str] = []
-
-    def run(user_id: str) -> None:
-        seen.append(user_id)
-        if user_id == "bug":
-            raise KeyError("boom")
-        if user_id == "bad-model":
-            raise PermanentError("unpriced model")
-        if user_id == "db-gone":
-            raise DatabaseUnavailable("postgresql://x", "connection refused")
-
-    result = dispatcher.run_chunk(["a", "bug", "bad-model", "b", "db-gone", "c"], run, budget_seconds=60)
-
-    assert seen == ["a", "bug", "bad-model", "b", "db-gone"]
-    assert (result.dreamed, result.failed) == (2, 2)
-    assert result.remaining == ["db-gone", "c"]
-    assert isinstance(result.transient, DatabaseUnavailable)
-
-
-def test_run_chunk_hands_on_what_is_left_when_its_time_budget_is_spent() -> None:
-    clock = _Clock()
-
-    def run(_user: str) -> None:
-        clock.t += 25
-
-    result = dispatcher.run_chunk(["a", "b", "c", "d", "e"], run, budget_seconds=60, clock=clock)
-
-    assert result.dreamed == 3
-    assert result.remaining == ["d", "e"]
-    assert result.transient is None
-
-
-def test_run_chunk_stops_at_the_soft_time_limit() -> None:
-    class Limit(Exception):
-        pass
-
-    def run(user_id: str) -> None:
-        if user_id == "slow":
-            raise Limit
-
-    result = dispatcher.run_chunk(["a", "slow", "b"], run, budget_seconds=60, interrupts=(Limit,))
-
-    assert (result.dreamed, result.failed, result.remaining) == (1, 1, ["b"])
 
 
 @pytest.mark.parametrize("interval_hours", [1.0, 24.0, 168.0])

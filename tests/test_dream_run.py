@@ -8,15 +8,18 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import pytest
 from sqlalchemy import select
 
+import tasks.dream
 from store import locks, schedule
 from store.db import session_scope
 from store.models import Run, UserState
 from store.types import now
-from tasks.dream import dream_user
-from tests.dream_seed import entry, seed
+from tasks.dream import dream_user, dream_users
+from tests.dream_seed import entry, keys_of, seed
 from worker.settings import Settings
 
 REVERIE = str(Path(sys.executable).with_name("reverie"))
@@ -116,3 +119,92 @@ def test_reverie_run_rejects_user_and_all_together(pg_settings: Settings) -> Non
         check=False,
     )
     assert done.returncode == 2 and "exclude" in done.stderr and "Traceback" not in done.stderr
+
+
+# -- a chunk of users (the dispatcher's dream.run_users and reverie run) --------------------
+
+
+def _chunk_world(settings: Settings, users: list[str]) -> None:
+    rows = []
+    for user_id in users:
+        rows += [entry(user_id, "old", "x", age_days=200), entry(user_id, "fresh", "y")]
+        rows += [entry(user_id, f"n{i}", "note", category="context") for i in range(5)]
+    seed(settings, rows)
+
+
+def _ledger(settings: Settings, users: list[str]) -> dict[str, tuple[str, int]]:
+    with session_scope(settings) as session:
+        found = session.scalars(select(Run).where(Run.user_id.in_(users))).all()
+        return {run.user_id: (run.status, run.entries_pruned) for run in found}
+
+
+def _dirty_and_unlocked(settings: Settings, users: list[str]) -> dict[str, tuple[bool, bool]]:
+    with session_scope(settings) as session:
+        states = session.scalars(select(UserState).where(UserState.user_id.in_(users))).all()
+        return {s.user_id: (s.dirty_since is not None, s.lock_token is None) for s in states}
+
+
+def test_one_users_failure_in_a_chunk_costs_the_others_nothing(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    users = ["c1", "c2-bad", "c3"]
+    _chunk_world(settings, users)
+
+    def broken_for_one(session: Any, settings: Settings, user_id: str, **kwargs: Any) -> Any:
+        if user_id == "c2-bad":
+            raise ValueError("this user's data breaks detection")
+        return real_detect(session, settings, user_id, **kwargs)
+
+    def broken_chunk(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the chunk's detection fails on one user's data")
+
+    real_detect = tasks.dream.detect
+    monkeypatch.setattr(tasks.dream, "detect", broken_for_one)
+    monkeypatch.setattr(tasks.dream, "detect_many", broken_chunk)
+
+    outcomes = {o.user_id: o.status for o in dream_users(settings, users)}
+
+    assert outcomes == {"c1": "succeeded", "c2-bad": "failed", "c3": "succeeded"}
+    assert _ledger(settings, users) == {"c1": ("succeeded", 1), "c2-bad": ("failed", 0), "c3": ("succeeded", 1)}
+    # The failing user's work rolled back whole: the stale entry is still there, unarchived.
+    assert "old" in keys_of(settings, "c2-bad") and "old" not in keys_of(settings, "c1")
+    assert all(unlocked for _, unlocked in _dirty_and_unlocked(settings, users).values())
+
+
+def test_a_chunk_out_of_time_carries_summarization_to_the_next_pass(pg_settings: Settings) -> None:
+    users = ["t1", "t2", "t3"]
+    _chunk_world(pg_settings, users)
+
+    outcomes = dream_users(pg_settings, users, budget_seconds=0.0)
+
+    # Everyone was pruned and checked; only the first was summarized, the rest wait.
+    assert [o.status for o in outcomes] == ["succeeded"] * 3
+    assert [o.entries_pruned for o in outcomes] == [1, 1, 1]
+    assert [o.entries_summarized for o in outcomes] == [5, 0, 0]
+    assert _dirty_and_unlocked(pg_settings, users) == {"t1": (False, True), "t2": (True, True), "t3": (True, True)}
+
+
+def test_the_soft_time_limit_fails_the_current_run_and_carries_the_rest(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Limit(Exception):
+        pass
+
+    users = ["s1", "s2", "s3"]
+    _chunk_world(pg_settings, users)
+    real_summarize = tasks.dream.summarize_user
+
+    def limited(settings: Settings, user_id: str, **kwargs: Any) -> Any:
+        if user_id == "s2":
+            raise Limit
+        return real_summarize(settings, user_id, **kwargs)
+
+    monkeypatch.setattr(tasks.dream, "summarize_user", limited)
+
+    outcomes = {o.user_id: o for o in dream_users(pg_settings, users, interrupts=(Limit,))}
+
+    assert {u: o.status for u, o in outcomes.items()} == {"s1": "succeeded", "s2": "failed", "s3": "succeeded"}
+    assert "interrupted" in (outcomes["s2"].error or "")
+    assert _ledger(pg_settings, users)["s2"] == ("failed", 1)
+    assert _dirty_and_unlocked(pg_settings, users)["s3"] == (True, True)
