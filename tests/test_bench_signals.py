@@ -51,7 +51,8 @@ def test_quick_p2_and_p5_print_their_rows_and_clean_up(pg_settings: object) -> N
     # Every signal of the memory run was processed, and parent and both children were sampled.
     assert p5[0]["verdict"] == "pass", p5[0]
     names = {r["what"].split(":")[0] for r in p5[1:]}
-    assert names == {"RSS parent", "RSS child 1", "RSS child 2"}
+    processes = ("parent", "child 1", "child 2")
+    assert names == {f"{size} {name}" for size in ("RSS", "PSS") for name in processes}
     assert all(r["figure"].endswith("MB") for r in p5[1:])
     # No worker, Redis or database left behind.
     assert _bench_databases() == before
