@@ -358,12 +358,17 @@ class _Chunk:
             except interrupts as exc:
                 # The soft time limit: stop here, close the runs, and let the task end.
                 _fail(outcome, TransientError(f"interrupted: {type(exc).__name__}"))
+                self.carried.append(outcome.user_id)
                 self._carry(pending[index + 1 :])
                 return
             except Exception as exc:
                 if not isinstance(exc, PermanentError):
                     log.error("dream.user_failed", user=user_ref(outcome.user_id), error_type=type(exc).__name__)
                 _fail(outcome, exc)
+                if isinstance(exc, TransientError | DatabaseUnavailable):
+                    # Worth another try soon (the next pass after the dirty delay), not
+                    # at the user's next dream time a day away; a bug is not retried early.
+                    self.carried.append(outcome.user_id)
 
     def _carry(self, rest: list[RunOutcome]) -> None:
         # Pruned and checked, not summarized (time is up): the next pass summarizes them.

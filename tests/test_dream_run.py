@@ -20,6 +20,7 @@ from store.models import Run, UserState
 from store.types import now
 from tasks.dream import dream_user, dream_users
 from tests.dream_seed import entry, keys_of, seed
+from worker.errors import DatabaseUnavailable
 from worker.settings import Settings
 
 REVERIE = str(Path(sys.executable).with_name("reverie"))
@@ -207,4 +208,32 @@ def test_the_soft_time_limit_fails_the_current_run_and_carries_the_rest(
     assert {u: o.status for u, o in outcomes.items()} == {"s1": "succeeded", "s2": "failed", "s3": "succeeded"}
     assert "interrupted" in (outcomes["s2"].error or "")
     assert _ledger(pg_settings, users)["s2"] == ("failed", 1)
-    assert _dirty_and_unlocked(pg_settings, users)["s3"] == (True, True)
+    # The interrupted user and those after it are picked up again by the next pass.
+    dirty = _dirty_and_unlocked(pg_settings, users)
+    assert (dirty["s1"], dirty["s2"], dirty["s3"]) == ((False, True), (True, True), (True, True))
+
+
+def test_a_run_that_loses_the_database_is_tried_again_soon_and_a_bug_is_not(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    users = ["d1-gone", "d2-bug", "d3"]
+    _chunk_world(pg_settings, users)
+    real_summarize = tasks.dream.summarize_user
+
+    def failing(settings: Settings, user_id: str, **kwargs: Any) -> Any:
+        if user_id == "d1-gone":
+            raise DatabaseUnavailable("postgresql://db/app", "server closed the connection unexpectedly")
+        if user_id == "d2-bug":
+            raise KeyError("a bug")
+        return real_summarize(settings, user_id, **kwargs)
+
+    monkeypatch.setattr(tasks.dream, "summarize_user", failing)
+
+    outcomes = {o.user_id: o.status for o in dream_users(pg_settings, users)}
+
+    assert outcomes == {"d1-gone": "failed", "d2-bug": "failed", "d3": "succeeded"}
+    assert _dirty_and_unlocked(pg_settings, users) == {
+        "d1-gone": (True, True),
+        "d2-bug": (False, True),
+        "d3": (False, True),
+    }
