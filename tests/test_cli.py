@@ -128,3 +128,131 @@ def test_signals_retry_needs_a_target(pg_settings: Settings) -> None:
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
     assert_one_line_error(run(["signals", "retry"], env=env), "exactly one")
     assert_one_line_error(run(["signals", "retry", "12345"], env=env), "12345")
+
+
+# -- usage errors read as a click program's, whatever click the CLI framework carries ----
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    result = run(["enque"])
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "unexpected" not in result.stderr
+    assert "Usage: reverie" in result.stderr
+    assert "Try 'reverie --help' for help." in result.stderr
+    assert "No such command 'enque'" in result.stderr
+
+
+def test_missing_option_is_a_usage_error() -> None:
+    result = run(["enqueue", "session_end", "--payload", "-"], stdin="{}")
+    assert result.returncode == 2
+    assert "unexpected" not in result.stderr
+    assert "Usage: reverie enqueue" in result.stderr
+    assert "Missing option '--user'" in result.stderr
+
+
+def test_unknown_option_is_a_usage_error() -> None:
+    result = run(["run", "--bogus"])
+    assert result.returncode == 2
+    assert "No such option: --bogus" in result.stderr
+    assert "Try 'reverie run --help' for help." in result.stderr
+
+
+def test_bare_reverie_prints_the_help() -> None:
+    result = run([])
+    assert "unexpected" not in result.stderr + result.stdout
+    shown = result.stdout + result.stderr
+    assert "Usage: reverie" in shown
+    for command in ("run", "enqueue", "erase-user", "demo"):
+        assert command in shown
+
+
+def test_help_texts_speak_of_the_product_only() -> None:
+    result = run(["--help"])
+    assert "contract" not in result.stdout.lower()
+
+
+# -- the database in use is said, never silently created -----------------------------------
+
+
+def test_unset_database_says_which_sqlite_file(tmp_path: Path) -> None:
+    result = run(["migrate"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"using the SQLite file {(tmp_path / 'reverie.db').resolve()}" in result.stderr
+    listed = run(["signals", "list", "--json"], cwd=tmp_path)
+    assert listed.returncode == 0 and listed.stdout.strip() == ""  # the notice stays off stdout
+    assert "REVERIE_DATABASE_URL is not set" in listed.stderr
+
+
+def test_configured_database_is_not_announced(tmp_path: Path) -> None:
+    result = run(["migrate"], env={"REVERIE_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}"})
+    assert result.returncode == 0, result.stderr
+    assert "not set" not in result.stderr
+
+
+# -- erase-user asks on a terminal; --yes for scripts ----------------------------------------
+
+
+def _erase_on_a_terminal(args: list[str], answer: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    import pty
+
+    master, slave = pty.openpty()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    full_env.update(env)
+    try:
+        proc = subprocess.Popen(
+            REVERIE + args, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env
+        )
+        os.write(master, answer.encode())
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+        os.close(slave)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _memory_rows(settings: Settings, user: str) -> int:
+    from sqlalchemy import func, select
+
+    from store.db import session_scope
+    from store.memories import table_for
+
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        return int(session.scalar(select(func.count()).select_from(table).where(table.c.user_id == user)) or 0)
+
+
+def _seed_one_entry(settings: Settings, user: str) -> None:
+    from store.db import session_scope
+    from store.memories import table_for, upsert_entry
+
+    with session_scope(settings) as session:
+        upsert_entry(
+            session,
+            table_for(settings),
+            user_id=user,
+            key="favorite_color",
+            value="blue",
+            category="preference",
+            source="test",
+        )
+
+
+def test_erase_user_asks_on_a_terminal_and_no_keeps_everything(pg_settings: Settings) -> None:
+    _seed_one_entry(pg_settings, "u-keep")
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
+    result = _erase_on_a_terminal(["erase-user", "u-keep"], "n\n", env)
+    assert result.returncode != 0
+    assert "Erase every row of user 'u-keep'" in result.stdout
+    assert _memory_rows(pg_settings, "u-keep") == 1
+    confirmed = _erase_on_a_terminal(["erase-user", "u-keep"], "y\n", env)
+    assert confirmed.returncode == 0, confirmed.stderr
+    assert _memory_rows(pg_settings, "u-keep") == 0
+
+
+def test_erase_user_yes_skips_the_question_on_a_terminal(pg_settings: Settings) -> None:
+    _seed_one_entry(pg_settings, "u-gone")
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
+    result = _erase_on_a_terminal(["erase-user", "u-gone", "--yes"], "", env)
+    assert result.returncode == 0, result.stderr
+    assert "Erase every row" not in result.stdout
+    assert _memory_rows(pg_settings, "u-gone") == 0

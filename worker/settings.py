@@ -7,6 +7,7 @@ directory. Modules receive a :class:`Settings` instance; none reads ``os.environ
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -108,6 +109,13 @@ class Settings(BaseSettings):
     @property
     def is_sqlite(self) -> bool:
         return self.database_url.startswith("sqlite")
+
+    def sqlite_path(self) -> str:
+        """The absolute path of the SQLite file (``:memory:`` for an in-memory database)."""
+        location = self.database_url.split(":///", 1)[1] if ":///" in self.database_url else ""
+        if location in ("", ":memory:"):
+            return ":memory:"
+        return str(Path(location).resolve())
 
 
 @lru_cache(maxsize=1)

@@ -6,11 +6,6 @@ user can cause ends as one line on stderr and a non-zero exit, never a traceback
 
 from __future__ import annotations
 
-import sys
-
-import click
-import typer
-
 from worker.cli.common import app, fail
 
 # Each module registers its commands on ``app``.
@@ -18,23 +13,24 @@ from worker.cli import dream_cmds, erase_cmds, service_cmds, signal_cmds, store_
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
+    """Console-script entry point.
+
+    The command-line framework runs in its standalone mode, so usage errors, ``--help``
+    and a bare ``reverie`` are presented by the framework itself, with the exit codes
+    click programs use (2 for a usage error), whichever click it carries: a framework
+    that vendors its own click cannot turn them into "unexpected" errors. Anything else
+    that escapes a command becomes one line.
+    """
     try:
-        code = app(args=argv, prog_name="reverie", standalone_mode=False)
-    except click.exceptions.UsageError as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        fail("aborted", code=130)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
+        app(args=argv, prog_name="reverie")
+    except SystemExit:
+        raise
     except KeyboardInterrupt:
         fail("interrupted", code=130)
     except Exception as exc:
         from worker.cli.common import describe_error
 
         fail(describe_error(exc))
-    sys.exit(code if isinstance(code, int) else 0)
 
 
-__all__ = ["app", "main", "typer"]
+__all__ = ["app", "main"]

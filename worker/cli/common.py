@@ -55,7 +55,18 @@ def describe_error(exc: BaseException) -> str:
 
 
 def load_settings() -> Settings:
-    """The process settings; a bad value becomes one line, not a pydantic dump."""
+    """The process settings; a bad value becomes one line, not a pydantic dump.
+
+    With no database configured, say which SQLite file is used (on stderr, so ``--json``
+    output stays clean): a silently created ``./reverie.db`` looks like an empty
+    production database.
+    """
     from worker.settings import get_settings
 
-    return get_settings()
+    settings = get_settings()
+    if "database_url" not in settings.model_fields_set and settings.is_sqlite:
+        print(
+            f"reverie: REVERIE_DATABASE_URL is not set; using the SQLite file {settings.sqlite_path()}",
+            file=sys.stderr,
+        )
+    return settings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated
 
 import typer
@@ -14,6 +15,7 @@ from worker.cli.common import app, load_settings
 def erase_user(
     user: Annotated[str, typer.Argument(help="The user whose rows are removed everywhere.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows removed per table as JSON.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation on a terminal.")] = False,
 ) -> None:
     """Right to erasure: remove the user's rows from the memory table and every dream_ table.
 
@@ -21,7 +23,10 @@ def erase_user(
     """
     from tasks.erase import erase_user as erase
 
-    counts = erase(load_settings(), user)
+    settings = load_settings()
+    if not yes and sys.stdin.isatty():
+        typer.confirm(f"Erase every row of user {user!r} everywhere? This cannot be undone", abort=True)
+    counts = erase(settings, user)
     removed = {table: count for table, count in sorted(counts.items()) if count}
     if as_json:
         print(json.dumps({"user": user, "rows_removed": removed, "total": sum(removed.values())}))
