@@ -54,6 +54,7 @@ class Service:
         }
         self.procs: list[subprocess.Popen[bytes]] = []
         self.count = 0
+        self.metrics_port = 0  # the latest worker's /metrics port
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         # The child keeps its own copy of the descriptor; ours is closed at once.
@@ -67,9 +68,10 @@ class Service:
     def worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
         self.count += 1
         name = f"worker{self.count}"
+        self.metrics_port = free_port()
         env = {
             **self.env,
-            "REVERIE_METRICS_PORT": str(free_port()),
+            "REVERIE_METRICS_PORT": str(self.metrics_port),
             "PROMETHEUS_MULTIPROC_DIR": str(self.tmp / f"metrics-{name}"),
         }
         argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker"]

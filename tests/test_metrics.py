@@ -287,3 +287,52 @@ def test_textfile_replaces_atomically_and_keeps_the_old_file_on_error(
         write_textfile(target, registry)
     assert "dream_probe_total 3.0" in target.read_text("utf-8")
     assert [p.name for p in tmp_path.iterdir()] == ["reverie.prom"]
+
+
+def test_a_fresh_worker_exports_every_family_at_zero_from_the_first_scrape(
+    pg_settings: Settings, redis_url: str, tmp_path: Path
+) -> None:
+    """A real worker, nothing done yet: every family, with every label value known in
+    advance, is on its first page, at zero, so ``rate()`` and the alerts see it."""
+    from tests.processes import Service, wait_until
+    from worker import metrics as families
+    from worker.payloads import KINDS
+
+    service = Service(tmp_path, pg_settings.database_url, redis_url)
+    service.worker()
+    try:
+        wait_until("the worker is ready", service.worker_ready, 90, service)
+        with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
+            page = response.read().decode()
+    finally:
+        service.stop_all()
+    samples: dict[str, dict[frozenset[tuple[str, str]], float]] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[frozenset(sample.labels.items())] = sample.value
+    for name, (kind, labels) in CONTRACT_FAMILIES.items():
+        series = samples.get(f"{name}_total" if kind == "counter" else f"{name}_count" if kind == "histogram" else name)
+        assert series, f"{name} is missing from a fresh worker's first scrape"
+        assert all(value == 0 for value in series.values()), (name, series)
+        assert all({k for k, _ in key} == labels for key in series), (name, series)
+
+    def has(name: str, **labels: str) -> bool:
+        return frozenset(labels.items()) in samples.get(name, {})
+
+    model = "offline"
+    for kind in KINDS:
+        assert has("dream_signals_pending", kind=kind)
+        assert has("dream_signal_lag_seconds_count", kind=kind)
+        for outcome in ("done", "rejected", "failed", "dead"):
+            assert has("dream_signals_processed_total", kind=kind, outcome=outcome)
+    for scope in ("run", "day"):
+        assert has("dream_budget_exhausted_total", scope=scope)
+    for source in ("session_end", "feedback", "activity", "summarize"):
+        for action in ("insert", "update", "delete"):
+            assert has("dream_memory_writes_total", source=source, action=action)
+    for direction in ("input", "output"):
+        assert has("dream_llm_tokens_total", model=model, direction=direction)
+    for outcome in families.LLM_OUTCOMES:
+        assert has("dream_llm_requests_total", model=model, outcome=outcome)
+    for purpose in ("extract_facts", "feedback", "summarize"):
+        assert has("dream_llm_cost_usd_total", model=model, purpose=purpose)

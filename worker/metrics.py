@@ -51,3 +51,10 @@ BUDGET_EXHAUSTED = Counter(
 )
 
 SIGNAL_OUTCOMES = ("done", "rejected", "failed", "dead")
+# Label values known in advance, exported at zero from the first scrape.
+MEMORY_WRITE_SOURCES = ("session_end", "feedback", "activity", "summarize")
+MEMORY_WRITE_ACTIONS = ("insert", "update", "delete")
+LLM_PURPOSES = ("extract_facts", "feedback", "summarize")
+LLM_DIRECTIONS = ("input", "output")
+LLM_OUTCOMES = ("ok", "transient", "permanent", "error", "over_ceiling", "malformed")
+BUDGET_SCOPES = ("run", "day")

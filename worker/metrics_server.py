@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.errors import ConfigError
+from worker.errors import ConfigError, DatabaseUnavailable, SchemaMissing
 from worker.settings import Settings
 
 # The environment variable is prometheus-client's own switch, not a Reverie setting.
@@ -132,21 +132,35 @@ class _ReapingCollector:
         return self._inner.collect()  # type: ignore[no-untyped-call,no-any-return]
 
 
-def initialise_label_sets() -> None:
+def initialise_label_sets(model: str | None = None) -> None:
     """Create the zero-valued series whose label values are known in advance.
 
-    Counters that exist from the start let ``increase()`` and alerts see the first
-    event; otherwise the first ``dead`` signal would only create the series.
+    Every family, with each label value known before anything happens (kinds,
+    outcomes, sources, actions, directions, scopes, and ``model``, the configured
+    model), is exported from the first scrape: ``rate()``, ``increase()`` and alerts
+    see a fresh worker, and the first event does not merely create its series.
     """
     from worker import metrics
     from worker.payloads import KINDS
 
     for kind in KINDS:
         metrics.SIGNAL_LAG.labels(kind)
+        metrics.SIGNALS_PENDING.labels(kind)
+        metrics.SIGNALS_DEAD.labels(kind)
         for outcome in metrics.SIGNAL_OUTCOMES:
             metrics.SIGNALS_PROCESSED.labels(kind, outcome)
-    for scope in ("run", "day"):
+    for scope in metrics.BUDGET_SCOPES:
         metrics.BUDGET_EXHAUSTED.labels(scope)
+    for source in metrics.MEMORY_WRITE_SOURCES:
+        for action in metrics.MEMORY_WRITE_ACTIONS:
+            metrics.MEMORY_WRITES.labels(source=source, action=action)
+    if model is not None:
+        for purpose in metrics.LLM_PURPOSES:
+            metrics.LLM_COST.labels(model=model, purpose=purpose)
+        for direction in metrics.LLM_DIRECTIONS:
+            metrics.LLM_TOKENS.labels(model=model, direction=direction)
+        for outcome in metrics.LLM_OUTCOMES:
+            metrics.LLM_REQUESTS.labels(model=model, outcome=outcome)
 
 
 def build_registry() -> Any:
@@ -188,12 +202,36 @@ def serve(settings: Settings, *, addr: str = "0.0.0.0") -> MetricsServer:  # noq
 
     import worker.metrics  # noqa: F401 - registers every family in single-process mode
 
-    initialise_label_sets()
+    initialise_label_sets(settings.llm_model)
+    _first_gauge_values(settings)
     try:
         server, thread = start_http_server(settings.metrics_port, addr=addr, registry=build_registry())
     except OSError as exc:
         raise ConfigError(f"cannot serve metrics on port {settings.metrics_port}: {exc.strerror or exc}") from exc
     return MetricsServer(port=settings.metrics_port, _server=server, _thread=thread)
+
+
+def _first_gauge_values(settings: Settings) -> None:
+    """Give the queue gauges a value before the first scrape.
+
+    They keep the most recent value any process set, and a series nobody has set is not
+    exported at all; so read the queue now, or say 0 while the database cannot answer
+    (the periodic refresh corrects it). The serving process's connection is closed
+    afterwards: a preforking worker's children open their own.
+    """
+    from store.db import dispose_engines
+    from worker import metrics
+    from worker.payloads import KINDS
+
+    try:
+        refresh_pending_gauge(settings)
+    except (DatabaseUnavailable, SchemaMissing):
+        for kind in KINDS:
+            metrics.SIGNALS_PENDING.labels(kind).set(0)
+            metrics.SIGNALS_DEAD.labels(kind).set(0)
+        metrics.SIGNALS_OLDEST_PENDING_AGE.set(0)
+    finally:
+        dispose_engines()
 
 
 def refresh_pending_gauge(settings: Settings) -> dict[str, int]:
