@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import cast
 
 from sqlalchemy import Table, bindparam, or_, select, text, union, union_all, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from store.memories import table_for
@@ -154,22 +154,54 @@ def release_users(session: Session, user_ids: list[str], *, at: datetime) -> Non
         )
 
 
-def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime) -> int:
-    """Give every user of the memory table without a schedule row one, due at ``at``.
+# Each distinct user of the memory table read once through its user_id index (a loose
+# index scan), not every row; each new user is due at their own phase within the next
+# interval, so a database of a million users does not become due in one minute.
+_PG_ADOPT = f"""
+WITH RECURSIVE users AS (
+    (SELECT user_id FROM {{memories}} ORDER BY user_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT m.user_id FROM {{memories}} AS m WHERE m.user_id > users.user_id ORDER BY m.user_id LIMIT 1)
+    FROM users WHERE users.user_id IS NOT NULL
+)
+INSERT INTO dream_user_state (user_id, next_dream_at)
+SELECT s.user_id,
+       TIMESTAMP '1970-01-01' + make_interval(secs => ceil((:base - {_PG_PHASE}) / :interval) * :interval + {_PG_PHASE})
+FROM users AS s
+WHERE s.user_id IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM dream_user_state AS d WHERE d.user_id = s.user_id)
+ON CONFLICT (user_id) DO NOTHING
+RETURNING user_id
+"""
 
-    This reads the whole memory table, so it runs rarely (beat: hourly), never per tick.
+
+def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime) -> int:
+    """Give every user of the memory table without a schedule row one, and return how
+    many were adopted.
+
+    On PostgreSQL each new user is due at their own phase within the next dream
+    interval (the first slot at or after ``at``), so adopting a large existing
+    population spreads its first runs evenly instead of making everyone due at once;
+    the scan reads each distinct user once through the memory table's user_id index.
+    On SQLite (the demo) new users are due at ``at``. Runs at beat's start, after
+    ``reverie migrate``, and hourly.
     """
     memories = table_for(settings)
+    dialect = session.get_bind().dialect
+    if dialect.name == "postgresql":
+        interval = settings.dream_interval_hours * 3600
+        statement = text(_PG_ADOPT.format(memories=dialect.identifier_preparer.format_table(memories)))
+        base = (at - EPOCH).total_seconds()
+        return len(session.execute(statement, {"base": base, "interval": interval}).all())
     unseen = (
         select(memories.c.user_id, bindparam("at", at).label("next_dream_at"))
         .where(~select(UserState.user_id).where(UserState.user_id == memories.c.user_id).exists())
         .distinct()
     )
-    dialect = session.get_bind().dialect.name
-    adopt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(UserState)
     # A concurrent mark_dirty may create the row first; that row wins.
     statement = (
-        adopt.from_select(["user_id", "next_dream_at"], unseen)
+        sqlite.insert(UserState)
+        .from_select(["user_id", "next_dream_at"], unseen)
         .on_conflict_do_nothing(index_elements=["user_id"])
         .returning(UserState.user_id)
     )

@@ -135,3 +135,24 @@ def test_worker_and_beat_process_signals_and_dreams_and_survive_sigkill_and_sigt
     service.worker()
     wait_until("every signal is done after the restart", lambda: db.statuses(third) == {"done": 150}, 45, service)
     _assert_applied_once(db, first + second + third)
+
+
+def test_beat_adopts_the_users_already_there_when_it_starts(service: Service, db: Db) -> None:
+    """A deployment pointed at a database that already holds users: they are scheduled
+    within the first seconds of beat, not an hour later, spread over the interval."""
+    for n in range(30):
+        db.run("INSERT INTO usermemories (user_id, key, value) VALUES (%s, 'k', '\"v\"')", f"existing-{n:02d}")
+    service.worker()
+    wait_until("the worker is ready", service.worker_ready, 90, service)
+    service.beat()
+    wait_until(
+        "beat's start adopts the existing users",
+        lambda: db.value("SELECT count(*) FROM dream_user_state WHERE user_id LIKE 'existing-%%'") == 30,
+        60,
+        service,
+    )
+    spread = db.value(
+        "SELECT count(DISTINCT date_trunc('hour', next_dream_at)) FROM dream_user_state "
+        "WHERE user_id LIKE 'existing-%%'"
+    )
+    assert spread > 5

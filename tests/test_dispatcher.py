@@ -229,8 +229,65 @@ def test_adopt_schedules_memory_users_without_a_schedule_row(store_settings: Set
     assert dispatcher.adopt(store_settings, at=at) == 1
     assert dispatcher.adopt(store_settings, at=at) == 0
     state = _state(store_settings)
-    assert state["fresh"].next_dream_at == at
+    if store_settings.is_sqlite:
+        assert state["fresh"].next_dream_at == at
+    else:
+        # Due at the user's own phase within the next interval.
+        interval = timedelta(hours=store_settings.dream_interval_hours)
+        assert at <= state["fresh"].next_dream_at < at + interval
     assert state["known"].next_dream_at == at + timedelta(hours=5)
+
+
+def test_adopting_many_existing_users_spreads_their_first_runs(pg_settings: Settings) -> None:
+    """A database full of users is scheduled at once, but not made due in one minute:
+    each user's first run is at their own phase within the next dream interval."""
+    at = now()
+    users = [f"user-{n:05d}" for n in range(3000)]
+    with session_scope(pg_settings) as session:
+        insert_entries(session, table_for(pg_settings), [{"user_id": u, "key": "k", "value": "v"} for u in users])
+    assert dispatcher.adopt(pg_settings, at=at) == len(users)
+    state = _state(pg_settings)
+    assert sorted(state) == users
+    interval = timedelta(hours=pg_settings.dream_interval_hours)
+    due = [state[u].next_dream_at for u in users]
+    assert all(at <= t < at + interval for t in due)
+    per_hour = Counter(int((t - at).total_seconds() // 3600) for t in due)
+    # 3,000 users over 24 hours: about 125 an hour; none of the hours holds a crowd.
+    assert len(per_hour) == 24
+    assert max(per_hour.values()) < 3 * len(users) / 24
+    # Nobody is due right away in bulk: the first minute holds a handful at most.
+    assert sum(1 for t in due if t < at + timedelta(minutes=1)) < 20
+    # The slots agree with the dispatcher's own phase, so later claims keep the spread.
+    for u in users[:50]:
+        phase = dispatch_store.phase_seconds(u, interval.total_seconds())
+        offset = (state[u].next_dream_at - dispatch_store.EPOCH).total_seconds() % interval.total_seconds()
+        assert abs(offset - phase) < 1e-3 or abs(abs(offset - phase) - interval.total_seconds()) < 1e-3
+
+
+def test_migrate_schedules_the_users_already_there(pg_settings: Settings) -> None:
+    """``reverie migrate`` run as a process on a database that already holds users:
+    they are scheduled at once, not an adoption interval after beat starts."""
+    import os
+    import subprocess
+    import sys
+
+    with session_scope(pg_settings) as session:
+        insert_entries(
+            session, table_for(pg_settings), [{"user_id": f"old-{n}", "key": "k", "value": "v"} for n in range(7)]
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    env["REVERIE_DATABASE_URL"] = pg_settings.database_url
+    result = subprocess.run(
+        [sys.executable, "-c", "from worker.cli import main; main()", "migrate"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "scheduled 7 existing user(s)" in result.stdout
+    assert sorted(_state(pg_settings)) == [f"old-{n}" for n in range(7)]
 
 
 @pytest.mark.parametrize("interval_hours", [1.0, 24.0, 168.0])

@@ -44,6 +44,8 @@ _started: dict[str, float] = {}
 _signatures: dict[Any, inspect.Signature] = {}
 # Task keyword arguments worth carrying on every log line of the task (ids only).
 _CONTEXT_KWARGS = ("run_id", "signal_id")
+# The adoption sent at beat's start is worth nothing once the hourly one has run.
+ADOPT_AT_START_EXPIRES = 3600.0
 
 
 def _started_as_worker(argv: list[str]) -> bool:
@@ -112,6 +114,23 @@ def _preload_gateway(settings: Settings) -> None:
     # What is loaded now lives as long as the process: keep the cyclic collector off
     # these objects, so it does not touch (and so copy) their pages in every child.
     gc.freeze()
+
+
+def _beat_init(sender: Any = None, **_: Any) -> None:
+    """Adopt the users already in the memory table as soon as beat starts, not an
+    adoption interval later: a deployment pointed at a database full of users has
+    them all scheduled (spread over the dream interval) within the first ticks."""
+    from kombu.exceptions import OperationalError as BrokerError
+
+    if sender is None:
+        return
+    try:
+        sender.app.send_task("schedules.adopt", expires=ADOPT_AT_START_EXPIRES)
+    except BrokerError as exc:
+        # The hourly entry adopts them anyway; beat's own connection errors say the rest.
+        log.warning("adoption at start not sent", error_type=type(exc).__name__)
+    else:
+        log.info("adoption at start sent")
 
 
 def _worker_shutdown(**_: Any) -> None:
@@ -189,6 +208,7 @@ signals.setup_logging.connect(_setup_logging)
 signals.celeryd_init.connect(_celeryd_init)
 signals.worker_init.connect(_worker_init)
 signals.worker_shutdown.connect(_worker_shutdown)
+signals.beat_init.connect(_beat_init)
 signals.worker_process_init.connect(_worker_process_init)
 signals.worker_process_shutdown.connect(_worker_process_shutdown)
 signals.task_prerun.connect(_task_prerun)

@@ -13,6 +13,7 @@ from worker.cli.common import app, load_settings
 @app.command()
 def migrate() -> None:
     """Bring the database at REVERIE_DATABASE_URL to the current schema (idempotent)."""
+    from schedules.dispatcher import adopt
     from store.db import check_connection, safe_url
     from store.migrate import upgrade
 
@@ -24,6 +25,10 @@ def migrate() -> None:
         print(f"{where}: already at revision {after}; nothing to do")
     else:
         print(f"{where}: migrated from {before or 'an empty schema'} to revision {after}")
+    # Users already in the memory table are scheduled now, not at beat's first adoption.
+    adopted = adopt(settings)
+    if adopted:
+        print(f"scheduled {adopted} existing user(s), spread over the dream interval")
 
 
 @app.command()
