@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,7 +140,9 @@ def test_worker_and_beat_process_signals_and_dreams_and_survive_sigkill_and_sigt
 
 def test_beat_adopts_the_users_already_there_when_it_starts(service: Service, db: Db) -> None:
     """A deployment pointed at a database that already holds users: they are scheduled
-    within the first seconds of beat, not an hour later, spread over the interval."""
+    within the first seconds of beat, not an hour later, spread over the interval. And
+    an idle deployment is quiet at INFO: the housekeeping ticks every second leave no
+    line unless they did something."""
     for n in range(30):
         db.run("INSERT INTO usermemories (user_id, key, value) VALUES (%s, 'k', '\"v\"')", f"existing-{n:02d}")
     service.worker()
@@ -156,3 +159,20 @@ def test_beat_adopts_the_users_already_there_when_it_starts(service: Service, db
         "WHERE user_id LIKE 'existing-%%'"
     )
     assert spread > 5
+    # Users due now prove the ticks run: their runs are dispatched and succeed.
+    db.run("UPDATE dream_user_state SET next_dream_at = timezone('utc', now()) - interval '1 minute'")
+    wait_until(
+        "the due users are dispatched and dreamed",
+        lambda: db.value("SELECT count(*) FROM dream_runs WHERE status = 'succeeded'") >= 30,
+        90,
+        service,
+    )
+    idle_from = {log.name: len(log.read_text().splitlines()) for log in service.tmp.glob("*.log")}
+    time.sleep(6)  # six dispatch and sweep ticks (1 s each), nothing to do
+    logs = {log.name: log.read_text() for log in service.tmp.glob("*.log")}
+    everything = "\n".join(logs.values())
+    assert "dispatch.tick" in everything  # the tick that did something said so
+    for quiet in ("Task schedules.dispatch[", "Sending due task dispatch-due-users", "Task schedules.sweep["):
+        assert quiet not in everything, quiet
+    grown = {name: len(text.splitlines()) - idle_from[name] for name, text in logs.items()}
+    assert all(lines <= 3 for lines in grown.values()), grown

@@ -193,6 +193,22 @@ def _level(settings: Settings) -> int:
     return level if isinstance(level, int) else logging.INFO
 
 
+#: Periodic housekeeping tasks that run every few seconds. Celery's own lines about
+#: them (received, succeeded, beat's "Sending due task") are debug detail: at INFO an
+#: idle deployment would log tens of thousands of them a day. The tasks log a line of
+#: their own when they did something, and failures are logged as always.
+QUIET_TASKS = ("schedules.dispatch", "schedules.sweep", "metrics.refresh_pending")
+_QUIET_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")
+
+
+class _QuietHousekeeping(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO or record.name not in _QUIET_LOGGERS:
+            return True
+        message = record.getMessage()
+        return not any(name in message for name in QUIET_TASKS)
+
+
 def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> None:
     """Route structlog and standard-library logging through one redacting formatter.
 
@@ -230,6 +246,8 @@ def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> No
     handler = logging.StreamHandler(out)
     handler.setFormatter(formatter)
     handler.set_name("reverie")
+    if level > logging.DEBUG:
+        handler.addFilter(_QuietHousekeeping())
 
     root = logging.getLogger()
     for old in [h for h in root.handlers if h.get_name() == "reverie"]:
