@@ -7,12 +7,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     LITELLM_LOCAL_MODEL_COST_MAP=True
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY worker ./worker
 COPY tasks ./tasks
 COPY schedules ./schedules
 COPY store ./store
-RUN pip install . && useradd --create-home --uid 10001 reverie
+# The same pinned set as CI and the README: an unpinned install is how a dependency
+# release breaks the image without a change here.
+RUN pip install -c constraints.txt . && useradd --create-home --uid 10001 reverie
 
 USER reverie
 WORKDIR /home/reverie

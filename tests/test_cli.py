@@ -256,3 +256,36 @@ def test_erase_user_yes_skips_the_question_on_a_terminal(pg_settings: Settings) 
     assert result.returncode == 0, result.stderr
     assert "Erase every row" not in result.stdout
     assert _memory_rows(pg_settings, "u-gone") == 0
+
+
+# -- reverie health: what the container healthchecks run ------------------------------------
+
+
+def test_health_is_green_on_a_migrated_database(pg_settings: Settings, redis_url: str) -> None:
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": redis_url}
+    result = run(["health", "--broker"], env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("healthy: database at revision ")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needles"),
+    [
+        ([], {"REVERIE_DATABASE_URL": "postgresql://postgres:s3cret@127.0.0.1:1/nowhere"}, ("database unreachable",)),
+        (["--broker"], {"REVERIE_BROKER_URL": "redis://:s3cret@127.0.0.1:1/0"}, ("broker", "does not answer")),
+        (["--metrics"], {"REVERIE_METRICS_PORT": "1"}, ("/metrics", "127.0.0.1:1")),
+    ],
+)
+def test_health_fails_in_one_line_when_a_dependency_is_down(
+    pg_settings: Settings, args: list[str], env: dict[str, str], needles: tuple[str, ...]
+) -> None:
+    full = {"REVERIE_DATABASE_URL": pg_settings.database_url, **env}
+    result = run(["health", *args], env=full)
+    assert result.returncode == 1
+    assert_one_line_error(result, *needles)
+    assert "s3cret" not in result.stderr
+
+
+def test_health_fails_on_an_unmigrated_database(tmp_path: Path) -> None:
+    result = run(["health"], env={"REVERIE_DATABASE_URL": f"sqlite:///{tmp_path / 'new.db'}"})
+    assert_one_line_error(result, "run reverie migrate")

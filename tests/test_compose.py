@@ -3,6 +3,8 @@ order, run commands the CLI accepts, and agree with the settings and the scrape 
 
 from __future__ import annotations
 
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +55,59 @@ def test_service_commands_are_real_reverie_invocations(compose: dict[str, Any], 
         assert set(context.params["queues"].split(",")) == {"signals", "dreams", "housekeeping"}
 
 
-def test_the_worker_healthcheck_pings_this_app(compose: dict[str, Any]) -> None:
-    test = compose["services"]["worker"]["healthcheck"]["test"]
-    assert test[:6] == ["CMD", "celery", "-A", "worker.app", "inspect", "ping"]
+def _health_commands(compose: dict[str, Any], service: str) -> list[list[str]]:
+    test = compose["services"][service]["healthcheck"]["test"]
+    if test[0] == "CMD":
+        return [test[1:]]
+    assert test[0] == "CMD-SHELL", test
+    return [part.split() for part in test[1].split("&&")]
+
+
+def test_the_worker_healthcheck_checks_the_database_the_broker_metrics_and_a_ping(compose: dict[str, Any]) -> None:
+    commands = _health_commands(compose, "worker")
+    health = _parse_reverie(commands[0])
+    assert health.info_name == "health"
+    assert health.params["broker"] and health.params["metrics"]
+    assert commands[1][:6] == ["celery", "-A", "worker.app", "inspect", "ping", "--destination"]
+
+
+def test_beat_has_a_healthcheck_that_checks_the_database_and_the_broker(compose: dict[str, Any]) -> None:
+    (command,) = _health_commands(compose, "beat")
+    health = _parse_reverie(command)
+    assert health.info_name == "health" and health.params["broker"]
+
+
+def test_workers_can_be_scaled_and_are_all_scraped(compose: dict[str, Any]) -> None:
+    worker = compose["services"]["worker"]
+    assert "ports" not in worker  # a fixed host port would block --scale worker=3
+    port = Settings.model_fields["metrics_port"].default
+    assert str(port) in worker["expose"]
+    scrape = yaml.safe_load((ROOT / "ops" / "prometheus.yml").read_text())
+    (job,) = [j for j in scrape["scrape_configs"] if j["job_name"] == "reverie"]
+    assert job["dns_sd_configs"] == [{"names": ["worker"], "type": "A", "port": port}]
+
+
+def test_the_log_hash_key_has_no_public_default_in_the_stack(compose: dict[str, Any]) -> None:
+    value = compose["services"]["worker"]["environment"]["REVERIE_LOG_HASH_KEY"]
+    assert value.startswith("${REVERIE_LOG_HASH_KEY:?"), value
+
+
+def test_the_image_installs_the_pinned_set(compose: dict[str, Any]) -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "COPY pyproject.toml README.md constraints.txt ./" in dockerfile
+    assert "pip install -c constraints.txt ." in dockerfile
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "-c constraints.txt" in ci and "-c constraints.txt" in readme
+
+    def normal(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    pins = {normal(line.split("==")[0]) for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"]:
+        name = normal(re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0])
+        assert name in pins, f"{name} is not pinned in constraints.txt"
 
 
 def test_start_up_order(compose: dict[str, Any]) -> None:
@@ -69,7 +121,7 @@ def test_start_up_order(compose: dict[str, Any]) -> None:
     assert services["prometheus"]["depends_on"] == {"worker": {"condition": "service_healthy"}}
     assert services["migrate"]["restart"] == "no"
     assert services["beat"]["deploy"]["replicas"] == 1
-    for name in ("postgres", "redis", "worker"):
+    for name in ("postgres", "redis", "worker", "beat"):
         assert "healthcheck" in services[name], name
 
 
@@ -93,16 +145,17 @@ def test_environment_agrees_with_the_settings_and_the_other_services(
     assert settings.broker_url.startswith("redis://redis:6379/")
     default_port = Settings.model_fields["metrics_port"].default
     assert settings.metrics_port == default_port
-    assert f"{default_port}:{default_port}" in services["worker"]["ports"]
 
 
 def test_prometheus_scrapes_the_worker_on_the_metrics_port(compose: dict[str, Any]) -> None:
     prometheus = compose["services"]["prometheus"]
     assert "./ops:/etc/prometheus:ro" in prometheus["volumes"]
     scrape = yaml.safe_load((ROOT / "ops" / "prometheus.yml").read_text())
-    targets = [t for job in scrape["scrape_configs"] for group in job["static_configs"] for t in group["targets"]]
-    port = compose["services"]["worker"]["environment"]["REVERIE_METRICS_PORT"]
-    assert f"worker:{port}" in targets
+    found = [
+        (name, sd["port"]) for job in scrape["scrape_configs"] for sd in job["dns_sd_configs"] for name in sd["names"]
+    ]
+    port = int(compose["services"]["worker"]["environment"]["REVERIE_METRICS_PORT"])
+    assert ("worker", port) in found
     for rule_file in scrape.get("rule_files", []):
         assert (ROOT / "ops" / rule_file).is_file()
 

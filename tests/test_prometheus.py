@@ -217,7 +217,9 @@ def test_prometheus_scrapes_a_real_worker(pg_settings: Settings, processes: Proc
     config["global"]["evaluation_interval"] = "1s"
     config["rule_files"] = [str(OPS / "alerts.yml")]
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "reverie"]
-    job["static_configs"][0]["targets"] = [f"127.0.0.1:{metrics_port}"]
+    # The stack finds its workers by name; here the one worker is on loopback.
+    job.pop("dns_sd_configs")
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
     config_path = tmp_path / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config), "utf-8")
 

@@ -1,0 +1,64 @@
+"""``reverie health``: the check a container orchestrator or a supervisor runs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from worker.cli.common import app, fail, load_settings
+
+BROKER_TIMEOUT_SECONDS = 5.0
+
+
+@app.command()
+def health(
+    broker: Annotated[bool, typer.Option("--broker", help="Also check that the broker answers.")] = False,
+    metrics: Annotated[
+        bool, typer.Option("--metrics", help="Also check that this host's /metrics endpoint answers (the worker).")
+    ] = False,
+) -> None:
+    """Exit 0 when the database answers and is at the current schema (and, as asked,
+    the broker answers and /metrics is served); otherwise one line and exit 1."""
+    from store.db import check_connection, safe_url
+    from store.migrate import current_revision, head_revision
+
+    settings = load_settings()
+    check_connection(settings)
+    revision, head = current_revision(settings), head_revision()
+    if revision != head:
+        where = safe_url(settings.database_url)
+        fail(f"database {where} is at revision {revision or 'none'}, not {head}: run reverie migrate")
+    checked = [f"database at revision {head}"]
+    if broker:
+        _check_broker(settings.broker_url)
+        checked.append("broker answers")
+    if metrics:
+        _check_metrics(settings.metrics_port)
+        checked.append(f"metrics served on port {settings.metrics_port}")
+    print("healthy: " + "; ".join(checked))
+
+
+def _check_broker(url: str) -> None:
+    from kombu import Connection
+    from kombu.exceptions import OperationalError
+
+    from store.db import safe_url
+
+    try:
+        with Connection(url, connect_timeout=BROKER_TIMEOUT_SECONDS) as connection:
+            connection.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT_SECONDS)
+    except (OperationalError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        fail(f"broker {safe_url(url)} does not answer: {reason}")
+
+
+def _check_metrics(port: int) -> None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            response.read(1)
+    except (urllib.error.URLError, OSError) as exc:
+        fail(f"no /metrics on 127.0.0.1:{port}: {getattr(exc, 'reason', exc)}")
