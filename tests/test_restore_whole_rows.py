@@ -16,7 +16,7 @@ from store.db import dispose_engines, session_scope
 from store.memories import remove_entries, table_for
 from store.models import ArchivedEntry, Event
 from store.types import now
-from tasks.dream import dream_user
+from tasks.dream import dream_user, dream_users
 from tests.dream_seed import entries_of, entry, seed
 from worker.settings import Settings
 
@@ -82,6 +82,20 @@ def test_prune_resolution_and_summary_archive_the_host_columns_and_restore_bring
         result = restore_run(session, table_for(settings), outcome.run_id)
     assert (result.restored, result.conflicts, result.removed_inserts, result.changed_since) == (7, 0, 2, 0)
     assert _tenants(settings, "u1") == before
+
+
+def test_the_chunked_prune_archives_the_host_columns_of_each_users_rows(host_settings: Settings) -> None:
+    seed(host_settings, [entry(u, "stale", f"old {u}", age_days=300) for u in ("u1", "u2")])
+    for user_id in ("u1", "u2"):
+        _set_tenants(host_settings, user_id)
+    outcomes = dream_users(host_settings, ["u1", "u2"])
+    assert [o.entries_pruned for o in outcomes] == [1, 1]
+    for outcome in outcomes:
+        assert _archived(host_settings, outcome.user_id)["stale"]["tenant_ref"] == "tenant-stale"
+        assert outcome.run_id is not None
+        with session_scope(host_settings) as session:
+            assert restore_run(session, table_for(host_settings), outcome.run_id).restored == 1
+    assert _tenants(host_settings, "u1") == _tenants(host_settings, "u2") == {"stale": "tenant-stale"}
 
 
 def test_a_replaced_row_keeps_its_host_columns_in_the_archive(host_settings: Settings) -> None:
