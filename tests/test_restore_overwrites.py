@@ -81,3 +81,27 @@ def test_restore_needs_exactly_one_of_run_and_signal(pg_settings: Settings) -> N
     assert_one_line_error(_restore(pg_settings, "--run", "1", "--signal", "1"), "--run", "--signal")
     unknown = _restore(pg_settings, "--signal", "424242")
     assert_one_line_error(unknown, "424242")
+
+
+def test_restore_signal_puts_back_the_whole_row_on_both_backends(store_settings: Settings) -> None:
+    from store.archive import restore_signal
+    from store.memories import upsert_entry
+
+    table = table_for(store_settings)
+
+    def write(value: str, signal_id: int) -> str:
+        with session_scope(store_settings) as session:
+            done = upsert_entry(
+                session, table, user_id="alice", key="seat", value=value, category="fact", source="session_end",
+                source_agent_id="agent-a", signal_id=signal_id,
+            )  # fmt: skip
+        assert done.entry_id is not None
+        return done.entry_id
+
+    entry_id = write("aisle", 1)
+    before = {row.key: row._asdict() for row in memories(store_settings, "alice")}
+    assert write("window", 2) == entry_id
+    with session_scope(store_settings) as session:
+        result = restore_signal(session, table, 2)
+    assert (result.restored, result.removed_inserts, result.changed_since) == (1, 0, 0)
+    assert {row.key: row._asdict() for row in memories(store_settings, "alice")} == before
