@@ -14,7 +14,7 @@ from sqlalchemy import select, text, update
 from store.archive import restore_run
 from store.db import dispose_engines, session_scope
 from store.memories import remove_entries, table_for
-from store.models import ArchivedEntry, Event
+from store.models import ArchivedEntry, EntryState, Event
 from store.types import now
 from tasks.dream import dream_user, dream_users
 from tests.dream_seed import entries_of, entry, seed
@@ -142,8 +142,6 @@ def test_restored_row_is_pruned_again_once_its_grace_has_passed(pg_settings: Set
     with session_scope(settings) as session:
         restore_run(session, table_for(settings), first.run_id)
         # The restore happened longer ago than pruneStaleAfterDays.
-        from store.models import EntryState
-
         session.execute(update(EntryState).values(last_recalled_at=now().replace(year=now().year - 1)))
     assert dream_user(settings, "u1").entries_pruned == 1
 
