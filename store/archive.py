@@ -1,9 +1,18 @@
-"""Restore: put back, unchanged, the rows a run archived (``reverie restore``).
+"""Restore: put back, unchanged, the rows a run or a signal archived (``reverie restore``).
 
-Entries the run itself inserted (summaries) are taken out first, through
-``remove_entries``, so they are archived in turn and nothing is lost either way.
-A row whose id or upsert key is taken again by the application is left in the archive
-and reported as a conflict.
+Three kinds of work are undone:
+- rows the run or signal removed (prune, contradiction, summarize) are inserted again,
+  whole, every column the host added included;
+- values it overwrote (reason ``replace``) are put back on their row;
+- entries it inserted (summaries, new facts) are taken out through ``remove_entries``,
+  so they are archived in turn and nothing is lost either way.
+
+Reverie only undoes its own writes: an entry it inserted or overwrote that the
+application has changed since (its ``updated_at`` is no longer the one Reverie wrote) is
+left as it is and reported. A removed row whose id or upsert key is taken again is left
+in the archive and reported as a conflict. Every row put back is recorded as a
+``restore`` event, and counts as recalled at the restore, so it is not pruned again
+before ``pruneStaleAfterDays`` have passed since.
 """
 
 from __future__ import annotations
@@ -13,62 +22,201 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Table, and_, insert, select, update
+from sqlalchemy import ColumnElement, DateTime, MetaData, Table, and_, delete, func, insert, select, text, update
 from sqlalchemy.orm import Session
 
-from store.memories import remove_entries
-from store.models import ArchivedEntry, Event, Run
+from store import entry_state
+from store.memories import Removed, archive_rows, host_columns, quoted_name, record_events, remove_entries
+from store.models import ArchivedEntry, Event, Run, Signal
 from store.types import now
 from worker.errors import NotFound
 
-RESTORABLE = ("prune", "contradiction", "summarize")
+RESTORABLE = ("prune", "contradiction", "summarize", "replace")
 
 
 @dataclass(frozen=True)
 class Restored:
-    run_id: int
+    """What a restore did. ``changed_since`` counts entries the run or signal wrote that
+    the application changed afterwards: they were left in place."""
+
+    run_id: int | None
     restored: int
     conflicts: int
     removed_inserts: int
+    changed_since: int = 0
+    signal_id: int | None = None
 
 
 def restore_run(session: Session, table: Table, run_id: int) -> Restored:
-    """Undo a run's removals and inserts (idempotent: a second call restores nothing)."""
+    """Undo a run's removals, overwrites and inserts (idempotent: a second call restores nothing)."""
     if session.get(Run, run_id) is None:
         raise NotFound("run", run_id)
-    inserted = select(Event.entry_id).where(Event.run_id == run_id, Event.action == "insert")
-    removed = remove_entries(session, table, table.c.id.in_(inserted), reason="restore", source="restore")
+    return _restore(session, table, Event.run_id == run_id, ArchivedEntry.run_id == run_id, run_id=run_id)
+
+
+def restore_signal(session: Session, table: Table, signal_id: int) -> Restored:
+    """Undo what one signal wrote: the values it overwrote come back, the entries it
+    inserted are taken out (idempotent). Works as long as the archive keeps its rows,
+    even after the signal row itself is gone."""
+    known = session.get(Signal, signal_id) is not None or (
+        session.scalar(select(Event.id).where(Event.signal_id == signal_id).limit(1)) is not None
+    )
+    if not known:
+        raise NotFound("signal", signal_id)
+    return _restore(
+        session, table, Event.signal_id == signal_id, ArchivedEntry.signal_id == signal_id, signal_id=signal_id
+    )
+
+
+def _restore(
+    session: Session,
+    table: Table,
+    events_of: ColumnElement[bool],
+    archived_of: ColumnElement[bool],
+    *,
+    run_id: int | None = None,
+    signal_id: int | None = None,
+) -> Restored:
+    writes = _Writer(session, table, run_id=run_id, signal_id=signal_id)
+    removed, kept = _take_out_inserts(session, table, events_of)
     archived = session.execute(
-        select(ArchivedEntry.id, ArchivedEntry.row)
-        .where(
-            ArchivedEntry.run_id == run_id,
-            ArchivedEntry.restored_at.is_(None),
-            ArchivedEntry.reason.in_(RESTORABLE),
-        )
+        select(ArchivedEntry.id, ArchivedEntry.entry_id, ArchivedEntry.reason, ArchivedEntry.row)
+        .where(archived_of, ArchivedEntry.restored_at.is_(None), ArchivedEntry.reason.in_(RESTORABLE))
         .order_by(ArchivedEntry.id)
     ).all()
+    # An entry overwritten twice by one run or signal comes back as it was before the first.
+    first_replace: dict[str, list[int]] = {}
+    for archive_id, entry_id, reason, _ in archived:
+        if reason == "replace":
+            first_replace.setdefault(entry_id, []).append(archive_id)
     restored: list[int] = []
     conflicts = 0
-    for archive_id, raw in archived:
-        row = _row(table, raw)
-        if session.scalar(select(table.c.id).where(_clash(table, row)).limit(1)) is not None:
+    for archive_id, entry_id, reason, raw in archived:
+        data = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        if reason == "replace":
+            ids = first_replace[entry_id]
+            if archive_id != ids[0]:
+                continue
+            outcome = writes.put_back_value(data, _written_at(session, events_of, entry_id, "update"))
+            if outcome == "changed":
+                kept += 1
+                continue
+            if outcome == "put back":
+                restored += ids
+                continue
+        if session.scalar(select(table.c.id).where(_clash(table, data)).limit(1)) is not None:
             conflicts += 1
             continue
-        session.execute(insert(table).values(**row))
+        writes.insert(data)
         restored.append(archive_id)
     if restored:
         session.execute(update(ArchivedEntry).where(ArchivedEntry.id.in_(restored)).values(restored_at=now()))
-    return Restored(run_id=run_id, restored=len(restored), conflicts=conflicts, removed_inserts=len(removed))
+    writes.finish()
+    return Restored(
+        run_id=run_id,
+        signal_id=signal_id,
+        restored=writes.count,
+        conflicts=conflicts,
+        removed_inserts=len(removed),
+        changed_since=kept,
+    )
 
 
-def _row(table: Table, raw: Any) -> dict[str, Any]:
-    data = json.loads(raw) if isinstance(raw, str) else dict(raw)
-    row = {name: value for name, value in data.items() if name in table.c}
-    for name, column in table.c.items():
-        value = row.get(name)
-        if isinstance(value, str) and isinstance(column.type, DateTime):
-            row[name] = datetime.fromisoformat(value)
-    return row
+def _take_out_inserts(session: Session, table: Table, events_of: ColumnElement[bool]) -> tuple[list[Removed], int]:
+    """Remove the entries the run or signal inserted and nobody changed since; returns
+    what was removed and how many were left in place because they changed."""
+    inserted = select(Event.entry_id, Event.at).where(events_of, Event.action == "insert").subquery("inserted")
+    untouched = select(inserted.c.entry_id).where(
+        inserted.c.entry_id == table.c.id, inserted.c.at == table.c.updated_at
+    )
+    present = int(
+        session.scalar(select(func.count()).select_from(table).where(table.c.id.in_(select(inserted.c.entry_id)))) or 0
+    )
+    removed = remove_entries(session, table, untouched.exists(), reason="restore", source="restore")
+    return removed, present - len(removed)
+
+
+def _written_at(session: Session, events_of: ColumnElement[bool], entry_id: str, action: str) -> datetime | None:
+    """When the run or signal last wrote this entry (the ``updated_at`` it left)."""
+    return session.scalar(
+        select(Event.at).where(events_of, Event.entry_id == entry_id, Event.action == action).order_by(Event.id.desc())
+    )
+
+
+class _Writer:
+    """Puts archived rows back, whole, and records what it did."""
+
+    def __init__(self, session: Session, table: Table, *, run_id: int | None, signal_id: int | None) -> None:
+        self.session = session
+        self.table = table
+        self.run_id = run_id
+        self.signal_id = signal_id
+        self.at = now()
+        self.done: list[Removed] = []
+        self.recalls: list[tuple[str, str, int]] = []
+        self.postgres = session.get_bind().dialect.name == "postgresql"
+        self._live: Table | None = None
+        self._host_columns: list[str] | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.done)
+
+    def put_back_value(self, data: dict[str, Any], written_at: datetime | None) -> str:
+        """Put an overwritten value back on its row: ``put back``, ``changed`` (the
+        application wrote the row after Reverie did: left alone) or ``missing`` (the row
+        is gone: the caller inserts it like a removed one)."""
+        table = self.table
+        current = self.session.execute(
+            select(table.c.id, table.c.updated_at).where(table.c.id == data["id"]).with_for_update()
+        ).first()
+        if current is None:
+            return "missing"
+        if written_at is None or current.updated_at != written_at:
+            return "changed"
+        archive_rows(self.session, table, table.c.id == data["id"], reason="restore")
+        self.session.execute(delete(table).where(table.c.id == data["id"]))
+        self.insert(data)
+        return "put back"
+
+    def insert(self, data: dict[str, Any]) -> None:
+        if self._host_columns is None:
+            self._host_columns = [column["name"] for column in host_columns(self.session, self.table)]
+        columns = [name for name in self._host_columns if name in data]
+        if self.postgres:
+            # PostgreSQL turns the JSON back into the table's own column types.
+            preparer = self.session.get_bind().dialect.identifier_preparer
+            names = ", ".join(preparer.quote(name) for name in columns)
+            name = quoted_name(self.session, self.table)
+            self.session.execute(
+                text(
+                    f"INSERT INTO {name} ({names}) SELECT {names} "
+                    f"FROM jsonb_populate_record(NULL::{name}, CAST(:row AS jsonb))"
+                ),
+                {"row": json.dumps(data)},
+            )
+        else:
+            live = self._live_table()
+            row = {name: data[name] for name in columns}
+            for name in columns:
+                if isinstance(row[name], str) and isinstance(live.c[name].type, DateTime):
+                    row[name] = datetime.fromisoformat(row[name])
+            self.session.execute(insert(live).values(**row))
+        self.done.append(Removed(data["id"], data["user_id"], data["key"]))
+        self.recalls.append((data["id"], data["user_id"], int(data.get("access_count") or 0)))
+
+    def finish(self) -> None:
+        record_events(
+            self.session, self.done, action="restore", source="restore", run_id=self.run_id, signal_id=self.signal_id
+        )
+        entry_state.mark_restored(self.session, self.recalls, self.at)
+
+    def _live_table(self) -> Table:
+        if self._live is None:
+            self._live = Table(
+                self.table.name, MetaData(), schema=self.table.schema, autoload_with=self.session.connection()
+            )
+        return self._live
 
 
 def _clash(table: Table, row: dict[str, Any]) -> Any:

@@ -68,6 +68,39 @@ def observe_recalls(session: Session, table: Table, users: str | Collection[str]
     )
 
 
+def mark_restored(session: Session, entries: Collection[tuple[str, str, int]], at: datetime) -> None:
+    """Entries put back by a restore (entry id, user id, access count) count as recalled
+    at ``at``: the host's ``updated_at`` stays as it was, yet the next pass does not
+    prune them again before ``pruneStaleAfterDays`` from the restore."""
+    if not entries:
+        return
+    dialect_insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    statement = dialect_insert(EntryState).values(
+        [
+            {
+                "entry_id": entry_id,
+                "user_id": user_id,
+                "access_count_seen": count,
+                "last_recalled_at": at,
+                "seen_at": at,
+            }
+            for entry_id, user_id, count in entries
+        ]
+    )
+    excluded = statement.excluded
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[EntryState.entry_id],
+            set_={
+                "user_id": excluded.user_id,
+                "access_count_seen": excluded.access_count_seen,
+                "last_recalled_at": excluded.last_recalled_at,
+                "seen_at": excluded.seen_at,
+            },
+        )
+    )
+
+
 def forget_missing(session: Session, table: Table, users: str | Collection[str]) -> int:
     """Drop state rows of the users' entries that no longer exist."""
     of_users = EntryState.user_id == users if isinstance(users, str) else EntryState.user_id.in_(sorted(users))

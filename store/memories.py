@@ -25,15 +25,19 @@ from sqlalchemy import (
     and_,
     case,
     delete,
+    false,
     func,
     insert,
+    inspect,
     literal,
     literal_column,
+    or_,
     select,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine.interfaces import ReflectedColumn
 from sqlalchemy.orm import Session
 
 from store.models import ArchivedEntry, Event, memory_table
@@ -52,6 +56,35 @@ class Removed:
 def table_for(settings: Settings) -> Table:
     """The memory table named by the settings."""
     return memory_table(settings.memory_table, settings.memory_last_access_column)
+
+
+def quoted_name(session: Session, table: Table) -> str:
+    """The table's name as SQL text, quoted where its case or spelling needs it."""
+    return str(session.get_bind().dialect.identifier_preparer.format_table(table))
+
+
+def whole_row(session: Session, table: Table) -> ColumnElement[Any]:
+    """The whole current row of ``table`` as JSON (PostgreSQL), whatever columns the host added."""
+    return func.to_jsonb(literal_column(quoted_name(session, table)))
+
+
+def host_columns(session: Session, table: Table) -> list[ReflectedColumn]:
+    """The columns of the host's table as the database has them now (name, type, ...)."""
+    return list(inspect(session.connection()).get_columns(table.name, schema=table.schema))
+
+
+def whole_columns(session: Session, table: Table) -> list[ColumnElement[Any]]:
+    """``table``'s columns plus those the host added (read from the database), to select
+    a row whole."""
+    preparer = session.get_bind().dialect.identifier_preparer
+    extra = [
+        literal_column(f"{quoted_name(session, table)}.{preparer.quote(column['name'])}", column["type"]).label(
+            column["name"]
+        )
+        for column in host_columns(session, table)
+        if column["name"] not in table.c
+    ]
+    return [*table.c, *extra]
 
 
 def jsonable_row(row: Any) -> dict[str, Any]:
@@ -127,7 +160,8 @@ def _remove_pg(
     runs: Mapping[str, int] | None = None,
 ) -> list[Removed]:
     at = now()
-    gone = delete(table).where(where).returning(*table.c).cte("gone")
+    # The whole row as the DELETE saw it, including any columns the host added.
+    gone = delete(table).where(where).returning(*table.c, whole_row(session, table).label("whole_row")).cte("gone")
     source_rows: Any = gone
     run_of: ColumnElement[Any] = literal(run_id, ArchivedEntry.run_id.type)
     if runs is not None:
@@ -149,8 +183,7 @@ def _remove_pg(
                 gone.c.user_id,
                 gone.c.id,
                 literal(reason),
-                # The whole row, including any columns the host added beyond the contract.
-                func.to_jsonb(literal_column("gone")),
+                gone.c.whole_row,
                 literal(at, ArchivedEntry.archived_at.type),
             ).select_from(source_rows),
         )
@@ -187,7 +220,7 @@ def _remove_portable(
     run_id: int | None,
     signal_id: int | None,
 ) -> list[Removed]:
-    rows = session.execute(select(table).where(where)).all()
+    rows = session.execute(select(*whole_columns(session, table)).where(where)).all()
     if not rows:
         return []
     at = now()
@@ -268,13 +301,13 @@ def archive_rows(
                 table.c.user_id,
                 table.c.id,
                 literal(reason),
-                func.to_jsonb(literal_column(table.name)),
+                whole_row(session, table),
                 literal(at, ArchivedEntry.archived_at.type),
             ).where(where),
         )
         result = session.execute(statement)
         return int(getattr(result, "rowcount", 0) or 0)
-    rows = session.execute(select(table).where(where)).all()
+    rows = session.execute(select(*whole_columns(session, table)).where(where)).all()
     _archive_fetched(session, rows, reason=reason, run_id=run_id, signal_id=signal_id, at=at)
     return len(rows)
 
@@ -318,6 +351,49 @@ def _upsert_key(table: Table, user_id: str, key: str, visibility: str, agent_id:
     return and_(same, table.c.visibility != "global", owner)
 
 
+def _lock_unowned_key(session: Session, table: Table, user_id: str, key: str) -> None:
+    """Serialize writers of one (user, key) with no owning agent until their commit.
+
+    EDDI's unique index on (user_id, key, source_agent_id) treats NULL agents as all
+    distinct, so ``ON CONFLICT`` never fires for them and two concurrent inserts would
+    both land. PostgreSQL only: SQLite has one writer at a time anyway.
+    """
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    name = f"{table.schema or ''}.{table.name}\x1f{user_id}\x1f{key}\x1fself-or-group"
+    session.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(name, 0))))
+
+
+def unchanged_since_read(session: Session, table: Table, rows: Sequence[Any]) -> ColumnElement[bool]:
+    """These rows, only while they still hold the key, value and ``updated_at`` they were
+    read with: a DELETE with this condition leaves a row the application changed since
+    (PostgreSQL re-checks it on the new row version when the DELETE waited for its lock)."""
+    postgres = session.get_bind().dialect.name == "postgresql"
+    conditions: list[ColumnElement[bool]] = []
+    for row in rows:
+        value = row.value
+        if isinstance(value, str) and not postgres:
+            # SQLite hands JSON back as text; compare it in the canonical form json() gives.
+            with contextlib.suppress(ValueError):
+                value = json.loads(value)
+        same_value: ColumnElement[bool]
+        if value is None:
+            same_value = table.c.value.is_(None)
+        elif postgres:
+            same_value = table.c.value == literal(value, table.c.value.type)
+        else:
+            same_value = func.json(table.c.value) == func.json(json.dumps(value))
+        conditions.append(
+            and_(
+                table.c.id == row.id,
+                table.c.key == row.key,
+                same_value,
+                table.c.updated_at.is_not_distinct_from(row.updated_at),
+            )
+        )
+    return or_(*conditions) if conditions else false()
+
+
 def upsert_entry(
     session: Session,
     table: Table,
@@ -342,6 +418,8 @@ def upsert_entry(
     starts with ``_gdpr_`` or whose category is protected is never rewritten.
     """
     match = _upsert_key(table, user_id, key, visibility, source_agent_id)
+    if visibility != "global" and source_agent_id is None:
+        _lock_unowned_key(session, table, user_id, key)
     for _ in range(2):
         existing = session.execute(select(table).where(match).with_for_update()).first()
         if existing is not None:

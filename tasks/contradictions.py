@@ -24,7 +24,14 @@ from sqlalchemy.orm import Session
 
 from store import contradictions as store
 from store.entry_state import GDPR_PREFIX
-from store.memories import contradiction_candidates, remove_entries, set_conflicted, table_for, user_entries
+from store.memories import (
+    contradiction_candidates,
+    remove_entries,
+    set_conflicted,
+    table_for,
+    unchanged_since_read,
+    user_entries,
+)
 from store.models import Contradiction
 from worker.policy import PolicyBook
 from worker.settings import Settings
@@ -103,16 +110,19 @@ class _Pass:
     def handle(self, norm_key: str, rows: list[Any], existing: Contradiction | None) -> None:
         losers = _losers(self.settings, self.book, rows)
         if losers:
+            # Only while each loser still holds what it was judged on: a row the
+            # application changed since the read stays.
             gone = remove_entries(
                 self.session,
                 self.table,
-                self.table.c.id.in_([r.id for r in losers]),
+                unchanged_since_read(self.session, self.table, losers),
                 reason="contradiction",
                 source="contradiction",
                 run_id=self.run_id,
             )
             self.removed += len(gone)
-            survivors = [r for r in rows if r not in losers]
+            gone_ids = {g.entry_id for g in gone}
+            survivors = [r for r in rows if r.id not in gone_ids]
             if _distinct_values(survivors) < 2:
                 # Resolved: the values that remain agree.
                 self.writes.flag([r.id for r in survivors], False)

@@ -95,19 +95,34 @@ def _print_report(data: dict[str, Any]) -> None:
 
 @app.command()
 def restore(
-    run_id: Annotated[int, typer.Option("--run", help="The ledger id of the run to undo.", min=1)],
+    run_id: Annotated[int | None, typer.Option("--run", help="The ledger id of the run to undo.", min=1)] = None,
+    signal_id: Annotated[
+        int | None, typer.Option("--signal", help="The id of a signal whose writes to undo.", min=1)
+    ] = None,
 ) -> None:
-    """Put back every row a run archived (and take out the summaries it wrote)."""
-    from store.archive import restore_run
+    """Put back every row a run or a signal archived (and take out the entries it wrote)."""
+    from store.archive import restore_run, restore_signal
     from store.db import session_scope
     from store.memories import table_for
 
+    if (run_id is None) == (signal_id is None):
+        fail("give exactly one of --run and --signal", code=2)
     settings = load_settings()
     with session_scope(settings) as session:
-        result = restore_run(session, table_for(settings), run_id)
+        if run_id is not None:
+            result = restore_run(session, table_for(settings), run_id)
+        else:
+            assert signal_id is not None
+            result = restore_signal(session, table_for(settings), signal_id)
+    what = f"run {run_id}" if run_id is not None else f"signal {signal_id}"
     print(
-        f"run {run_id}: restored {result.restored} entries, took out {result.removed_inserts} it wrote"
+        f"{what}: restored {result.restored} entries, took out {result.removed_inserts} it wrote"
         + (f", {result.conflicts} left archived (their key is taken again)" if result.conflicts else "")
+        + (
+            f", {result.changed_since} it wrote left in place (changed by the application since)"
+            if result.changed_since
+            else ""
+        )
     )
 
 

@@ -1,0 +1,179 @@
+"""The archive keeps whole rows, the host's own columns included, on every removal path;
+``reverie restore`` puts every column back, the restored rows survive the next pass,
+and a restore never takes out an entry the application changed since Reverie wrote it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import select, text, update
+
+from store.archive import restore_run
+from store.db import dispose_engines, session_scope
+from store.memories import remove_entries, table_for
+from store.models import ArchivedEntry, EntryState, Event
+from store.types import now
+from tasks.dream import dream_user, dream_users
+from tests.dream_seed import entries_of, entry, seed
+from worker.settings import Settings
+
+
+@pytest.fixture()
+def host_settings(store_settings: Settings) -> Iterator[Settings]:
+    """The memory table with a column the host application added (``tenant_ref``)."""
+    with session_scope(store_settings) as session:
+        session.execute(text("ALTER TABLE usermemories ADD COLUMN tenant_ref VARCHAR(40) DEFAULT 'none'"))
+    dispose_engines()
+    yield store_settings
+    if store_settings.database_url.startswith("postgresql"):
+        with session_scope(store_settings) as session:
+            session.execute(text("ALTER TABLE usermemories DROP COLUMN tenant_ref"))
+        dispose_engines()
+
+
+def _tenants(settings: Settings, user_id: str) -> dict[str, str | None]:
+    with session_scope(settings) as session:
+        rows = session.execute(text("SELECT key, tenant_ref FROM usermemories WHERE user_id = :u"), {"u": user_id})
+        return {row.key: row.tenant_ref for row in rows}
+
+
+def _set_tenants(settings: Settings, user_id: str) -> None:
+    with session_scope(settings) as session:
+        session.execute(
+            text("UPDATE usermemories SET tenant_ref = 'tenant-' || key WHERE user_id = :u"), {"u": user_id}
+        )
+
+
+def _archived(settings: Settings, user_id: str) -> dict[str, dict[str, Any]]:
+    with session_scope(settings) as session:
+        rows = session.scalars(select(ArchivedEntry.row).where(ArchivedEntry.user_id == user_id))
+        out = [json.loads(r) if isinstance(r, str) else r for r in rows]
+    return {r["key"]: r for r in out}
+
+
+def test_prune_resolution_and_summary_archive_the_host_columns_and_restore_brings_them_back(
+    host_settings: Settings,
+) -> None:
+    settings = host_settings.model_copy(update={"contradiction_resolution": "keep_newest"})
+    seed(
+        settings,
+        [
+            entry("u1", "stale", "old", age_days=300),
+            entry("u1", "city", "Berlin", agent="a", age_days=10),
+            entry("u1", "City", "Paris", agent="b", age_days=1),
+            *[entry("u1", f"n{i}", f"note {i}", category="context") for i in range(5)],
+        ],
+    )
+    _set_tenants(settings, "u1")
+    before = _tenants(settings, "u1")
+    outcome = dream_user(settings, "u1")
+    assert (outcome.entries_pruned, outcome.contradictions_resolved, outcome.entries_summarized) == (1, 1, 5)
+    assert outcome.run_id is not None
+
+    archived = _archived(settings, "u1")
+    # Each removal path: prune, keep_newest and summarization.
+    for key in ("stale", "city", *(f"n{i}" for i in range(5))):
+        assert archived[key]["tenant_ref"] == f"tenant-{key}", key
+
+    with session_scope(settings) as session:
+        result = restore_run(session, table_for(settings), outcome.run_id)
+    assert (result.restored, result.conflicts, result.removed_inserts, result.changed_since) == (7, 0, 2, 0)
+    assert _tenants(settings, "u1") == before
+
+
+def test_the_chunked_prune_archives_the_host_columns_of_each_users_rows(host_settings: Settings) -> None:
+    seed(host_settings, [entry(u, "stale", f"old {u}", age_days=300) for u in ("u1", "u2")])
+    for user_id in ("u1", "u2"):
+        _set_tenants(host_settings, user_id)
+    outcomes = dream_users(host_settings, ["u1", "u2"])
+    assert [o.entries_pruned for o in outcomes] == [1, 1]
+    for outcome in outcomes:
+        assert _archived(host_settings, outcome.user_id)["stale"]["tenant_ref"] == "tenant-stale"
+        assert outcome.run_id is not None
+        with session_scope(host_settings) as session:
+            assert restore_run(session, table_for(host_settings), outcome.run_id).restored == 1
+    assert _tenants(host_settings, "u1") == _tenants(host_settings, "u2") == {"stale": "tenant-stale"}
+
+
+def test_a_replaced_row_keeps_its_host_columns_in_the_archive(host_settings: Settings) -> None:
+    from store.memories import upsert_entry
+
+    seed(host_settings, [entry("u1", "seat", "aisle")])
+    _set_tenants(host_settings, "u1")
+    with session_scope(host_settings) as session:
+        done = upsert_entry(
+            session, table_for(host_settings), user_id="u1", key="seat", value="window", category="fact",
+            source="session_end", source_agent_id="agent-a", signal_id=7,
+        )  # fmt: skip
+    assert done.action == "update"
+    assert _archived(host_settings, "u1")["seat"]["tenant_ref"] == "tenant-seat"
+    assert _tenants(host_settings, "u1") == {"seat": "tenant-seat"}
+
+
+def test_restored_rows_survive_the_next_pass_and_the_restore_is_an_event(store_settings: Settings) -> None:
+    settings = store_settings.model_copy(update={"summarize_interactions": False})
+    rows = seed(settings, [entry("u1", "hotel", "Ibis", age_days=300), entry("u1", "meal", "veg", age_days=200)])
+    first = dream_user(settings, "u1")
+    assert first.entries_pruned == 2 and first.run_id is not None
+    with session_scope(settings) as session:
+        assert restore_run(session, table_for(settings), first.run_id).restored == 2
+    restored = entries_of(settings, "u1")
+    # The host's updated_at is left as it was.
+    assert {r["updated_at"] for r in restored.values()} == {r["updated_at"] for r in rows}
+
+    second = dream_user(settings, "u1")
+    assert second.status == "succeeded" and second.entries_pruned == 0
+    assert entries_of(settings, "u1") == restored
+    with session_scope(settings) as session:
+        events = session.execute(
+            select(Event.entry_id, Event.source, Event.run_id).where(Event.action == "restore")
+        ).all()
+    assert sorted(events) == sorted((r["id"], "restore", first.run_id) for r in rows)
+
+
+def test_restored_row_is_pruned_again_once_its_grace_has_passed(pg_settings: Settings) -> None:
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    seed(settings, [entry("u1", "hotel", "Ibis", age_days=300)])
+    first = dream_user(settings, "u1")
+    assert first.run_id is not None
+    with session_scope(settings) as session:
+        restore_run(session, table_for(settings), first.run_id)
+        # The restore happened longer ago than pruneStaleAfterDays.
+        session.execute(update(EntryState).values(last_recalled_at=now().replace(year=now().year - 1)))
+    assert dream_user(settings, "u1").entries_pruned == 1
+
+
+def test_restore_leaves_a_summary_the_application_edited_and_reports_it(store_settings: Settings) -> None:
+    seed(store_settings, [entry("u1", f"n{i}", f"note {i}", category="context") for i in range(5)])
+    outcome = dream_user(store_settings, "u1")
+    assert outcome.entries_summarized == 5 and outcome.run_id is not None
+    summaries = entries_of(store_settings, "u1")
+    assert len(summaries) == 2
+    edited, untouched = sorted(summaries)
+    table = table_for(store_settings)
+    with session_scope(store_settings) as session:
+        session.execute(update(table).where(table.c.id == edited).values(value="edited by the user", updated_at=now()))
+
+    with session_scope(store_settings) as session:
+        result = restore_run(session, table, outcome.run_id)
+    assert (result.removed_inserts, result.changed_since, result.restored) == (1, 1, 5)
+    after = entries_of(store_settings, "u1")
+    assert edited in after and after[edited]["value"] == "edited by the user"
+    assert untouched not in after
+    assert {r["key"] for r in after.values()} == {summaries[edited]["key"], *(f"n{i}" for i in range(5))}
+    # Nothing of the edit went into the archive: it was never removed.
+    with session_scope(store_settings) as session:
+        assert session.scalar(select(ArchivedEntry.id).where(ArchivedEntry.entry_id == edited)) is None
+
+
+def test_restore_removal_archives_host_columns_of_the_rows_it_takes_out(host_settings: Settings) -> None:
+    seed(host_settings, [entry("u1", "x", "1")])
+    _set_tenants(host_settings, "u1")
+    table = table_for(host_settings)
+    with session_scope(host_settings) as session:
+        gone = remove_entries(session, table, table.c.user_id == "u1", reason="prune", source="prune")
+    assert len(gone) == 1
+    assert _archived(host_settings, "u1")["x"]["tenant_ref"] == "tenant-x"
