@@ -145,7 +145,7 @@ def initialise_label_sets() -> None:
         metrics.SIGNAL_LAG.labels(kind)
         for outcome in metrics.SIGNAL_OUTCOMES:
             metrics.SIGNALS_PROCESSED.labels(kind, outcome)
-    for scope in ("run", "day"):
+    for scope in ("run", "day", "user", "signal"):
         metrics.BUDGET_EXHAUSTED.labels(scope)
 
 
