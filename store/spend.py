@@ -13,6 +13,7 @@ process died before it could (see :mod:`worker.budget`).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -35,6 +36,22 @@ class BudgetLine:
     key: str
     limit_nano: int
     follows_settings: bool = False
+
+
+def user_digest(user_id: str) -> str:
+    """What stands in for a user id in the key of that user's budget lines."""
+    return hashlib.sha256(user_id.encode("utf-8")).hexdigest()[:32]
+
+
+def user_day_key(day: str, user_id: str) -> str:
+    # User ids are up to 255 characters; the key column holds 64.
+    return f"{day}/{user_digest(user_id)}"
+
+
+def delete_user_lines(session: Session, user_id: str) -> int:
+    """Remove a user's own budget lines (erasure); returns how many."""
+    statement = delete(Spend).where(Spend.scope == "user", Spend.scope_key.like(f"%/{user_digest(user_id)}"))
+    return int(getattr(session.execute(statement), "rowcount", 0) or 0)
 
 
 class Refused(Exception):

@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 
 from schedules.cron import run_once
 from store.db import dispose_engines, session_scope
+from store.erase import erase_user
 from store.models import Reservation, Run, Signal, Spend
 from store.types import NANO, now, usd_to_nano
 from tasks.dream import dream_user
@@ -405,3 +406,15 @@ def test_a_group_too_long_to_split_is_skipped_with_the_reason_in_the_ledger(pg_s
     assert run.status == "succeeded" and "context window" in (run.error or "")
     assert _reserved_total(settings) == 0 and budget.day_spent_nano(settings) <= usd_to_nano(settings.max_cost_per_day)
     dispose_engines()
+
+
+def test_erasure_removes_the_users_own_budget_lines(pg_settings: Settings) -> None:
+    for user in ("alice", "bob"):
+        lines = budget.lines_for(pg_settings, None, None, user_id=user)
+        budget.settle(pg_settings, budget.reserve(pg_settings, lines, 1_000), 500)
+    with session_scope(pg_settings) as session:
+        counts = erase_user(session, pg_settings, "alice")
+    assert counts["dream_spend"] == 1
+    with session_scope(pg_settings) as session:
+        users = {row.scope_key for row in session.scalars(select(Spend).where(Spend.scope == "user"))}
+    assert users == {budget.user_day_key("bob")}

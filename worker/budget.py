@@ -95,9 +95,7 @@ def next_day_start(at: datetime | None = None) -> datetime:
 
 
 def user_day_key(user_id: str, at: datetime | None = None) -> str:
-    # User ids are up to 255 characters and must not be stored beside spend in clear.
-    digest = hashlib.sha256(user_id.encode("utf-8")).hexdigest()[:32]
-    return f"{day_key(at)}/{digest}"
+    return spend_store.user_day_key(day_key(at), user_id)
 
 
 def signal_key(signal_id: int) -> str:
