@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,8 @@ class Script:
     context_limit: int | None = None
     #: Prompt tokens of each call as litellm counts them (before any overbilling).
     prompts: list[int] = field(default_factory=list)
+    #: Called when a ``hang`` call is entered (a test kills the process then).
+    on_hang: Callable[[], Any] | None = None
 
     def reset(self, *plan: str, then: str = "ok", overbill: float = 0.0, context_limit: int | None = None) -> None:
         self.plan, self.then, self.calls, self.ceilings = list(plan), then, 0, []
@@ -113,6 +116,8 @@ def _reply(fault: str, healthy: str, max_tokens: int, count: Any) -> tuple[str, 
 
 def _unanswered(litellm: Any, fault: str) -> Exception:
     if fault == "hang":
+        if SCRIPT.on_hang is not None:
+            SCRIPT.on_hang()
         time.sleep(3600)
     if fault == "interrupted":
         from celery.exceptions import SoftTimeLimitExceeded

@@ -10,7 +10,6 @@ import math
 import multiprocessing
 import os
 import signal
-import time
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +19,7 @@ from prometheus_client import REGISTRY
 from sqlalchemy import func, select, update
 from structlog.testing import capture_logs
 
+from schedules import sweeper
 from schedules.cron import run_once
 from store.db import dispose_engines, session_scope
 from store.erase import erase_user
@@ -182,10 +182,11 @@ def test_a_lowered_cap_is_honoured_on_both_backends(store_settings: Settings) ->
 # -- reservations of killed calls ---------------------------------------------------------
 
 
-def _call_and_hang(url: str) -> None:
+def _call_and_hang(url: str, entered: Any) -> None:
     """A worker stand-in whose model call never returns (the test kills it)."""
     settings = fault_model.settings_for(Settings(_env_file=None, database_url=url, broker_url=""))  # type: ignore[call-arg]
     SCRIPT.reset(then="hang")
+    SCRIPT.on_hang = entered.set
     llm.complete(settings, purpose="summarize", messages=LONG_PROMPT, max_tokens=40)
 
 
@@ -196,17 +197,14 @@ def _reservations(settings: Settings) -> list[Reservation]:
 
 def test_the_reservation_of_a_process_killed_mid_call_is_settled_by_the_reaper(pg_settings: Settings) -> None:
     settings = fault_model.settings_for(pg_settings)
-    child = multiprocessing.get_context("spawn").Process(target=_call_and_hang, args=(settings.database_url,))
+    context = multiprocessing.get_context("spawn")
+    entered = context.Event()
+    child = context.Process(target=_call_and_hang, args=(settings.database_url, entered))
     child.start()
     try:
-        deadline = time.monotonic() + 120
-        while not _reservations(settings):
-            assert child.is_alive() and time.monotonic() < deadline, "the child never reserved"
-            time.sleep(0.1)
-        # In the call now (the reservation is committed just before it): kill it there.
-        time.sleep(0.5)
+        assert entered.wait(120), "the child never reached the model"
         assert child.pid is not None
-        os.kill(child.pid, signal.SIGKILL)
+        os.kill(child.pid, signal.SIGKILL)  # in the model call, its reservation taken
     finally:
         child.join(30)
     assert child.exitcode == -signal.SIGKILL
@@ -223,6 +221,15 @@ def test_the_reservation_of_a_process_killed_mid_call_is_settled_by_the_reaper(p
     assert reaped == (1, held.amount_nano)
     assert _reserved_total(settings) == 0 and not _reservations(settings)
     assert budget.day_spent_nano(settings) == held.amount_nano
+
+
+def test_the_sweeper_reaps_expired_reservations(pg_settings: Settings) -> None:
+    stale = budget.reserve(pg_settings, budget.lines_for(pg_settings, None, None), 5_000)
+    with session_scope(pg_settings) as session:
+        session.execute(update(Reservation).values(deadline=now() - timedelta(seconds=1)))
+    assert sweeper.sweep(pg_settings, len, lambda ids, window: ids) == 0
+    assert not _reservations(pg_settings) and _reserved_total(pg_settings) == 0
+    assert budget.day_spent_nano(pg_settings) == stale.amount_nano
 
 
 def test_the_cron_pass_reaps_and_a_late_settle_counts_nothing_twice(pg_settings: Settings) -> None:

@@ -24,7 +24,6 @@ from tasks.activity import detect_routines
 from tasks.dream import dream_user, dream_users
 from tasks.signals import process_signal
 from worker.app import app
-from worker.budget import reap_expired
 from worker.errors import BrokerUnavailable, DatabaseUnavailable, TransientError
 from worker.logs import get_logger
 from worker.metrics_server import refresh_pending_gauge
@@ -101,10 +100,8 @@ def dispatch() -> int:
 
 @task("schedules.sweep", soft_time_limit=100, time_limit=120)
 def sweep() -> int:
-    """Re-send wake-ups for signals that are not moving, and settle the budget
-    reservations of model calls whose process died."""
+    """Re-send wake-ups for signals that are not moving."""
     settings = get_settings()
-    reap_expired(settings)
 
     def send(signal_ids: list[int]) -> int:
         return wake_signals(settings, signal_ids)
