@@ -83,8 +83,8 @@ def test_each_provider_family_has_its_margin_and_the_setting_replaces_it(pg_sett
         for model in ("gpt-4o", "azure/gpt-4o", "anthropic/claude-3-5-sonnet", "gemini/gemini-1.5-pro", "mistral/large")
     }
     assert margins == {
-        "gpt-4o": 0.0,
-        "azure/gpt-4o": 0.0,
+        "gpt-4o": 0.05,
+        "azure/gpt-4o": 0.05,
         "anthropic/claude-3-5-sonnet": 0.40,
         "gemini/gemini-1.5-pro": 0.25,
         "mistral/large": token_margin.OTHER_MARGIN,

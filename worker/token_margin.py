@@ -4,8 +4,8 @@ litellm counts a prompt with the provider's own tokenizer only for OpenAI's mode
 (and a few it can download); for every other family it counts with OpenAI's, and the
 provider bills what its own tokenizer counts, which can be a third more for the same
 text. A reservation that covers the prompt as counted would let such a call cost more
-than it reserved, so the prompt is reserved with a margin for the family: none where
-the count is the provider's own, more the further the family's tokenizer is from it.
+than it reserved, so the prompt is reserved with a margin for the family: small where
+the count is (nearly) the provider's own, more the further its tokenizer is from it.
 ``REVERIE_LLM_PROMPT_TOKEN_MARGIN`` replaces the family's margin.
 """
 
@@ -18,7 +18,9 @@ from worker.settings import Settings
 #: (family, its margin) for the model-name prefixes litellm uses, checked in order.
 FAMILIES: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("offline", ("offline",), 0.0),
-    ("openai", ("openai/", "azure/", "gpt-", "chatgpt-", "o1", "o3", "o4", "text-completion-openai/"), 0.0),
+    # litellm counts with cl100k; gpt-4o and the o-series bill by o200k, which for the
+    # same text counts about as many tokens or fewer: a small margin covers the rest.
+    ("openai", ("openai/", "azure/", "gpt-", "chatgpt-", "o1", "o3", "o4", "text-completion-openai/"), 0.05),
     ("anthropic", ("anthropic/", "claude", "bedrock/anthropic.", "vertex_ai/claude"), 0.40),
     ("gemini", ("gemini/", "gemini-", "vertex_ai/gemini", "vertex_ai/"), 0.25),
 )
