@@ -1,5 +1,8 @@
 """One pass in this process, for cron (``reverie run``): signals first, then dreams.
 
+It first settles the budget reservations that a killed pass left behind (see
+:func:`worker.budget.reap_expired`), so they do not hold the day's budget until midnight.
+
 Without ``users`` or ``all_users`` the users due now are dreamed (see
 :mod:`store.schedule`), in chunks of ``dispatch_chunk_size`` through
 :func:`tasks.dream.dream_users`.
@@ -15,6 +18,7 @@ from store import schedule
 from store.db import session_scope
 from store.types import now
 from tasks.dream import RunOutcome, dream_users
+from worker.budget import reap_expired
 from worker.settings import Settings
 
 
@@ -80,6 +84,7 @@ def run_once(
     from tasks.signals import process_pending
 
     report = PassReport()
+    reap_expired(settings)
     signals = process_pending(settings)
     report.signals_processed = signals.processed
     report.signals_rejected = signals.rejected

@@ -12,6 +12,10 @@ tell which; so it sends each stranded row at most one wake-up per signal lease
 copies, and no lost signal waits longer than a lease for its next wake-up. A copy that
 does go out is harmless: processing claims the row first, so the second message finds
 nothing to do.
+
+Each sweep also settles the budget reservations of model calls whose process died
+(:func:`worker.budget.reap_expired`), so a killed worker's reservation holds the day's
+budget for minutes, not until midnight.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from datetime import datetime
 from store import dispatch as dispatch_store
 from store.db import session_scope
 from store.types import now
+from worker.budget import reap_expired
 from worker.logs import get_logger
 from worker.settings import Settings
 
@@ -43,6 +48,7 @@ def stranded(settings: Settings, *, at: datetime) -> list[tuple[int, datetime]]:
 
 def sweep(settings: Settings, send: SendWakeups, not_resent: NotResent, *, at: datetime | None = None) -> int:
     """One sweep: returns the number of wake-ups sent."""
+    reap_expired(settings)
     rows = stranded(settings, at=at or now())
     if not rows:
         return 0

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from store.memories import table_for
 from store.models import ActivityEvent, Base, Run, Signal, Spend
+from store.spend import delete_user_lines
 from worker.settings import Settings
 
 
@@ -46,6 +47,9 @@ def erase_user(session: Session, settings: Settings, user_id: str) -> dict[str, 
                 delete(Spend).where(Spend.scope == "run", Spend.scope_key.in_(keys[start : start + 500]))
             )
             counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + int(getattr(result, "rowcount", 0) or 0)
+    lines = delete_user_lines(session, user_id)
+    if lines:
+        counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + lines
     # Children before parents (the archive refers to runs).
     for table in reversed(Base.metadata.sorted_tables):
         if table.name != Signal.__tablename__ and "user_id" in table.c:

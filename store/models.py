@@ -246,7 +246,8 @@ class Policy(Base):
 
 
 class Spend(Base):
-    """A budget and what was reserved and spent against it (scope ``run`` or ``day``)."""
+    """A budget and what was reserved and spent against it (scope ``run``, ``day``,
+    ``user``: one user's signals in a day, or ``signal``: one signal over its attempts)."""
 
     __tablename__ = "dream_spend"
 
@@ -258,10 +259,26 @@ class Spend(Base):
     updated_at: Mapped[datetime] = mapped_column(server_default=utcnow())
 
     __table_args__ = (
-        CheckConstraint("scope IN ('run', 'day')", name="scope"),
+        CheckConstraint("scope IN ('run', 'day', 'user', 'signal')", name="scope"),
         CheckConstraint("reserved_nano >= 0 AND spent_nano >= 0", name="non_negative"),
         CheckConstraint("reserved_nano + spent_nano <= limit_nano", name="within_limit"),
     )
+
+
+class Reservation(Base):
+    """A model call's reservation in flight: taken from ``lines`` (``[scope, key]``
+    pairs) and removed when the call is settled. One still here after ``deadline``
+    belongs to a call whose process died; the reaper settles it."""
+
+    __tablename__ = "dream_reservations"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    lines: Mapped[Any] = mapped_column(JsonType)
+    amount_nano: Mapped[int] = mapped_column(BigId)
+    deadline: Mapped[datetime] = mapped_column(index=True)
+    created_at: Mapped[datetime] = mapped_column(server_default=utcnow())
+
+    __table_args__ = (CheckConstraint("amount_nano >= 0", name="non_negative"),)
 
 
 class Observation(Base):

@@ -76,6 +76,8 @@ def prepare(settings: Settings, signal: SignalInput) -> Proposal:
         max_tokens=settings.llm_max_output_tokens,
         run_id=None,
         agent_id=agent_for(signal),
+        user_id=signal.user_id,
+        signal_id=signal.signal_id,
     )
     return check_candidates(reply.text, original, edited, settings)
 

@@ -6,6 +6,10 @@ fact proposed by the model is written only when its evidence quote occurs in a
 occurs in that quote. Text in assistant, tool or system messages never becomes a
 memory on its own, however it is phrased. Every write is for the signal's own user,
 whatever the transcript or the model says.
+
+The model is shown what it needs and no more, so a long transcript costs little:
+every user message, each with the end of the assistant message just before it (what
+the user answered), and never tool or system content.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ MAX_VALUE = 1000
 MIN_EVIDENCE = 3
 #: Candidates beyond this many are not even looked at (a runaway reply).
 MAX_CANDIDATES = 200
+#: Characters kept from the end of the assistant message before a user message: the
+#: question the user answered ("which city do you live in?") sits at its end.
+ASSISTANT_CONTEXT_CHARS = 400
 
 SYSTEM_PROMPT = """[reverie:extract_facts]
 You read a finished conversation between a user and an AI agent and list durable facts
@@ -60,6 +67,24 @@ def user_messages(payload: dict[str, Any]) -> list[str]:
     return [m["content"] for m in payload["messages"] if m.get("role") == "user"]
 
 
+def extractor_messages(payload: dict[str, Any]) -> list[dict[str, str]]:
+    """The transcript as the extractor sees it: each user message whole, preceded by
+    the tail of the assistant message right before it; tool and system messages and
+    assistant messages no user message answers are left out."""
+    shown: list[dict[str, str]] = []
+    previous: dict[str, Any] | None = None
+    for message in payload["messages"]:
+        if message.get("role") == "user":
+            if previous is not None and previous.get("role") == "assistant":
+                content = str(previous.get("content") or "")
+                if len(content) > ASSISTANT_CONTEXT_CHARS:
+                    content = "\u2026" + content[-ASSISTANT_CONTEXT_CHARS:]
+                shown.append({"role": "assistant", "content": content})
+            shown.append({"role": "user", "content": message["content"]})
+        previous = message
+    return shown
+
+
 def agent_for(signal: SignalInput) -> str | None:
     """The owning agent: the signal row's ``agent_id``, else the payload's."""
     agent = signal.agent_id or signal.payload.get("agent_id")
@@ -78,7 +103,7 @@ def prepare(settings: Settings, signal: SignalInput) -> Extraction:
     from worker.llm import complete
 
     task = {
-        "messages": [{"role": m["role"], "content": m["content"]} for m in signal.payload["messages"]],
+        "messages": extractor_messages(signal.payload),
         "allowed_categories": sorted(settings.allowed_category_set),
         "max_facts": settings.max_writes_per_turn,
     }
@@ -91,7 +116,13 @@ def prepare(settings: Settings, signal: SignalInput) -> Extraction:
         },
     ]
     reply = complete(
-        settings, purpose=PURPOSE, messages=messages, max_tokens=settings.llm_max_output_tokens, run_id=None
+        settings,
+        purpose=PURPOSE,
+        messages=messages,
+        max_tokens=settings.llm_max_output_tokens,
+        run_id=None,
+        user_id=signal.user_id,
+        signal_id=signal.signal_id,
     )
     facts, refused = check_candidates(reply.text, said, settings)
     return Extraction(facts, refused, model_called=True)

@@ -37,7 +37,7 @@ from store.signals import Claimed
 from store.types import now
 from tasks import activity, feedback, session_end
 from tasks.decisions import Decision, Effect, SignalInput
-from worker import metrics
+from worker import budget, metrics
 from worker.errors import (
     BudgetExhausted,
     DatabaseUnavailable,
@@ -248,14 +248,15 @@ def _guarded(settings: Settings, claim: Claimed, result: SignalResult, step: Cal
     """Run one step of one signal; on an error record the outcome it calls for and
     return None."""
     refund = False
+    wait_until: datetime | None = None
     try:
         return step()
     except InvalidSignal as exc:
         result.outcome, result.reason = "rejected", str(exc)
         log_detail: dict[str, Any] = {"field": exc.field}
     except BudgetExhausted as exc:
-        # Not the signal's fault: wait for budget without using up its attempts.
-        result.outcome, result.reason, refund = "failed", str(exc), True
+        result.outcome, result.reason, wait_until = _budget_outcome(exc)
+        refund = result.outcome == "failed"
         log_detail = {"budget": exc.scope}
     except TransientError as exc:
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
@@ -272,8 +273,23 @@ def _guarded(settings: Settings, claim: Claimed, result: SignalResult, step: Cal
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
         result.reason = f"internal error: {type(exc).__name__}"
         log_detail = {"error": type(exc).__name__, "where": _where(exc)}
-    _finish(settings, claim, result, refund=refund, **log_detail)
+    _finish(settings, claim, result, refund=refund, wait_until=wait_until, **log_detail)
     return None
+
+
+def _budget_outcome(exc: BudgetExhausted) -> tuple[str, str, datetime | None]:
+    """Outcome, reason and retry time for a signal whose model call a budget refused.
+
+    Not the signal's fault when the day's or its user's budget is spent: it waits,
+    without using up an attempt, until the next UTC day brings new ones (trying every
+    few seconds until then would only be refused again). Its own ceiling spent, no
+    retry can pay: it is dead until an operator raises the ceiling and retries it.
+    """
+    if exc.scope in ("day", "user"):
+        return "failed", f"{exc}; waiting for the next UTC day's budget", budget.next_day_start()
+    if exc.scope == "signal":
+        return "dead", f"{exc}: the signal's own cost ceiling (REVERIE_MAX_COST_PER_SIGNAL) is spent", None
+    return "failed", str(exc), None
 
 
 def _where(exc: BaseException) -> str:
@@ -392,13 +408,19 @@ def _done(settings: Settings, item: _Ready, effect: Effect, finished_at: datetim
 
 
 def _finish(
-    settings: Settings, claim: Claimed, result: SignalResult, *, refund: bool = False, **log_detail: Any
+    settings: Settings,
+    claim: Claimed,
+    result: SignalResult,
+    *,
+    refund: bool = False,
+    wait_until: datetime | None = None,
+    **log_detail: Any,
 ) -> SignalResult:
     status = result.outcome
     if status == "skipped":
         return result
-    available_at = None
-    if status == "failed":
+    available_at = wait_until
+    if status == "failed" and available_at is None:
         attempt = 1 if refund else claim.attempts
         delay = min(settings.signal_backoff_seconds * 2 ** (attempt - 1), MAX_BACKOFF_SECONDS)
         available_at = now() + timedelta(seconds=delay)

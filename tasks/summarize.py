@@ -14,6 +14,11 @@ replace the originals by less than they said). Under the cost cap, when the budg
 left cannot pay for a full output ceiling, the call is made with a smaller one (never
 below what the group's own keys and values take) and the smaller groups that follow
 are still tried; the run's ledger row counts the deferred groups (and says why).
+
+A group whose prompt is longer than the model's context window is split in two halves
+(each still at least ``summarizeMinEntries``), each summarized on its own; one too
+small to split is skipped with that reason in the ledger, and the user's other groups
+are summarized as usual.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from store.memories import table_for, user_entries
 from store.summaries import NewEntry, replace_group
 from store.types import usd_to_nano
 from worker import metrics
-from worker.errors import BudgetExhausted, TransientError
+from worker.errors import BudgetExhausted, ContextWindowExceeded, TransientError
 from worker.logs import get_logger, user_ref
 from worker.policy import PolicyBook
 from worker.settings import Settings
@@ -216,7 +221,8 @@ def summarize_user(
     step = _Pass(settings, user_id, run_id, table)
     for group in groups_of(rows, settings, book, owners):
         keep_alive()
-        step.summarize(group, book.for_agent(group[0].source_agent_id).summarizeTargetEntries)
+        policy = book.for_agent(group[0].source_agent_id)
+        step.summarize(group, policy.summarizeTargetEntries, policy.summarizeMinEntries)
     return step.counts
 
 
@@ -235,8 +241,18 @@ class _Pass:
         self.counts.reasons[reason[:160]] += 1
         log.info("summarize_group_deferred", user=user_ref(self.user_id), reason=reason[:200])
 
-    def summarize(self, group: list[Any], target: int) -> None:
-        reply = self._call(group, target)
+    def summarize(self, group: list[Any], target: int, min_entries: int) -> None:
+        try:
+            reply = self._call(group, target)
+        except ContextWindowExceeded:
+            if len(group) < 2 * min_entries:
+                self._defer("skipped: too long for the model's context window, too small to split")
+                return
+            log.info("summarize_group_split", user=user_ref(self.user_id), entries=len(group))
+            half = len(group) // 2
+            self.summarize(group[:half], target, min_entries)
+            self.summarize(group[half:], target, min_entries)
+            return
         if reply is None:
             return
         try:

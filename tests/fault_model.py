@@ -12,11 +12,21 @@ Faults: ``timeout``, ``rate_limit`` (429), ``server_error`` (500), ``overloaded`
 thirds in, the provider still says ``stop``), ``cut_off`` (cut at the ceiling, ``length``),
 ``over_usage`` (a proper reply whose usage reports ten times the ceiling), ``long_text``
 (text dozens of times the ceiling while usage claims to be within it).
+
+Calls that end without an answer: ``disconnect`` (the connection drops after the
+request went out), ``interrupted`` (the task's soft time limit fires in the call) and
+``hang`` (the call never returns: a process to kill mid-call). ``Script.overbill``
+makes every reply bill that fraction more prompt tokens than litellm counts (a provider
+whose tokenizer is not OpenAI's); ``Script.context_limit`` refuses every prompt longer
+than that many tokens with litellm's context-window error.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +40,7 @@ OUTPUT_PRICE = 2e-6
 TRANSIENT = ("timeout", "rate_limit", "server_error", "overloaded")
 MALFORMED = ("malformed", "truncated", "cut_off", "over_usage", "long_text")
 FAULTS = (*TRANSIENT, "auth", *MALFORMED)
+UNANSWERED = ("disconnect", "interrupted")
 
 
 @dataclass
@@ -40,9 +51,16 @@ class Script:
     then: str = "ok"
     calls: int = 0
     ceilings: list[int] = field(default_factory=list)
+    overbill: float = 0.0
+    context_limit: int | None = None
+    #: Prompt tokens of each call as litellm counts them (before any overbilling).
+    prompts: list[int] = field(default_factory=list)
+    #: Called when a ``hang`` call is entered (a test kills the process then).
+    on_hang: Callable[[], Any] | None = None
 
-    def reset(self, *plan: str, then: str = "ok") -> None:
+    def reset(self, *plan: str, then: str = "ok", overbill: float = 0.0, context_limit: int | None = None) -> None:
         self.plan, self.then, self.calls, self.ceilings = list(plan), then, 0, []
+        self.overbill, self.context_limit, self.prompts = overbill, context_limit, []
 
     def next(self, max_tokens: int) -> str:
         self.calls += 1
@@ -96,20 +114,45 @@ def _reply(fault: str, healthy: str, max_tokens: int, count: Any) -> tuple[str, 
     return healthy, count(healthy), "stop"
 
 
+def _unanswered(litellm: Any, fault: str) -> Exception:
+    if fault == "hang":
+        if SCRIPT.on_hang is not None:
+            SCRIPT.on_hang()
+        time.sleep(3600)
+    if fault == "interrupted":
+        from celery.exceptions import SoftTimeLimitExceeded
+
+        return SoftTimeLimitExceeded()
+    error: Exception = litellm.exceptions.APIConnectionError(
+        message="scripted disconnect: connection reset after the request was sent", llm_provider=PROVIDER, model=MODEL
+    )
+    return error
+
+
 def _build(litellm: Any) -> Any:
     class FaultModel(litellm.CustomLLM):  # type: ignore[misc]
         def completion(self, model: str, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
             max_tokens = int((kwargs.get("optional_params") or {}).get("max_tokens") or 1024)
+            counted = int(litellm.token_counter(model=MODEL, messages=messages))
+            SCRIPT.prompts.append(counted)
             fault = SCRIPT.next(max_tokens)
             if fault in (*TRANSIENT, "auth"):
                 raise _error(litellm, fault)
+            if fault in (*UNANSWERED, "hang"):
+                raise _unanswered(litellm, fault)
+            if SCRIPT.context_limit is not None and counted > SCRIPT.context_limit:
+                raise litellm.exceptions.ContextWindowExceededError(
+                    message=f"scripted: {counted} prompt tokens, over the context window of {SCRIPT.context_limit}",
+                    model=MODEL,
+                    llm_provider=PROVIDER,
+                )
             healthy = offline_model.answer(offline_model.purpose_of(messages), offline_model.input_of(messages))
 
             def count(text: str) -> int:
                 return int(litellm.token_counter(model=MODEL, text=text, count_response_tokens=True))
 
             text, output_tokens, finish = _reply(fault, healthy, max_tokens, count)
-            prompt_tokens = int(litellm.token_counter(model=MODEL, messages=messages))
+            prompt_tokens = math.ceil(counted * (1 + SCRIPT.overbill))
             return litellm.ModelResponse(
                 model=model,
                 choices=[{"message": {"role": "assistant", "content": text}, "finish_reason": finish}],

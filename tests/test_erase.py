@@ -55,7 +55,7 @@ def test_no_table_holds_a_row_about_the_user(pg_settings: Settings) -> None:
         before = rows_about(session, pg_settings, "ann")
     assert sum(before.values()) > 10
     counts = erase_user(pg_settings, "ann")
-    assert counts["dream_spend"] == 1
+    assert counts["dream_spend"] == 2  # her run's budget and her signals' budget for the day
     with session_scope(pg_settings) as session:
         assert set(rows_about(session, pg_settings, "ann").values()) == {0}
         assert rows_about(session, pg_settings, "ben") == {k: v for k, v in before.items()}

@@ -69,8 +69,8 @@ def _reserved_total(settings: Settings) -> int:
 
 
 def _full_reservation(settings: Settings, messages: list[dict[str, str]], max_tokens: int) -> int:
-    in_price, out_price = llm.prices(settings)
-    return budget.reservation_nano(llm.count_prompt_tokens(settings, messages), max_tokens, in_price, out_price)
+    # The prompt as reserved: litellm's count plus the provider family's margin.
+    return llm.reservation_floor_nano(settings, messages, max_tokens)
 
 
 # -- the gateway ---------------------------------------------------------------------

@@ -88,11 +88,14 @@ def test_non_user_text_never_becomes_a_memory(pg_settings: Settings, role: str, 
     assert report.processed == 1
     assert memories(pg_settings) == []
     refused = report.results[0].refused
-    if "my favorite" in sentence.lower():
+    if "my favorite" in sentence.lower() and role == "assistant":
         # The offline model did propose it; the evidence check refused it.
         assert [(d.key, d.outcome) for d in refused] == [
             ("favorite_color", "evidence: not found in any user message of this transcript")
         ]
+    else:
+        # Tool and system text is never shown to the model: nothing to refuse.
+        assert refused == []
 
 
 def test_evidence_match_folds_case_and_whitespace(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,13 @@ longer fit although a real reply is much smaller: :func:`reserve_call` then lowe
 the call's ceiling to what the budget left can pay for, down to the caller's minimum,
 inside the same locked transaction, so the reservation still covers the worst case of
 the call actually made.
+
+The day's line, and a signal's own lines (its user's day, and the signal itself over
+all its attempts), take their limits from the settings at every reservation: a cap
+lowered or raised applies to the next call. A reservation lives in PostgreSQL until it
+is settled; one whose call deadline has passed belongs to a process that died in the
+call, and :func:`reap_expired` settles it as spent (the request may have been billed),
+so nothing stays reserved for the rest of the day.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from store import policies as policy_store
 from store import spend as spend_store
@@ -28,8 +35,17 @@ from store.spend import BudgetLine, Refused
 from store.types import NANO, now, usd_to_nano
 from worker import metrics
 from worker.errors import BudgetExhausted
+from worker.logs import get_logger
 from worker.policy import effective
 from worker.settings import Settings
+
+log = get_logger(__name__)
+
+#: How long after its call's own timeout a reservation may stay unsettled before the
+#: reaper takes it for a dead process's (settling and a slow database take seconds).
+RESERVATION_GRACE_SECONDS = 120.0
+#: Expired reservations settled per reaper pass (each in a transaction of its own).
+REAP_BATCH = 500
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,7 @@ class Reservation:
     lines: tuple[BudgetLine, ...]
     amount_nano: int
     output_tokens: int = 0
+    reservation_id: int = 0
 
 
 def price_nano(tokens: int, usd_per_token: float) -> int:
@@ -71,6 +88,20 @@ def day_key(at: datetime | None = None) -> str:
     return (at or now()).date().isoformat()
 
 
+def next_day_start(at: datetime | None = None) -> datetime:
+    """When the day after ``at`` (UTC) begins: the day's budget lines are new then."""
+    day = (at or now()).date() + timedelta(days=1)
+    return datetime(day.year, day.month, day.day)
+
+
+def user_day_key(user_id: str, at: datetime | None = None) -> str:
+    return spend_store.user_day_key(day_key(at), user_id)
+
+
+def signal_key(signal_id: int) -> str:
+    return str(signal_id)
+
+
 def run_key(run_id: int) -> str:
     return str(run_id)
 
@@ -87,8 +118,17 @@ def open_run(settings: Settings, run_id: int, limit_usd: float) -> None:
         spend_store.ensure_lines(session, [BudgetLine("run", run_key(run_id), usd_to_nano(limit_usd))])
 
 
-def lines_for(settings: Settings, run_id: int | None, agent_id: str | None) -> list[BudgetLine]:
-    """The budgets a call must fit, in locking order: run total, agent share, day."""
+def lines_for(
+    settings: Settings,
+    run_id: int | None,
+    agent_id: str | None,
+    *,
+    user_id: str | None = None,
+    signal_id: int | None = None,
+) -> list[BudgetLine]:
+    """The budgets a call must fit, in locking order: run total, agent share, day, then
+    for a signal's call its user's day and the signal itself. Every transaction that
+    locks several lines takes them in this order, so two never wait on each other."""
     lines: list[BudgetLine] = []
     if run_id is not None:
         with session_scope(settings) as session:
@@ -96,8 +136,19 @@ def lines_for(settings: Settings, run_id: int | None, agent_id: str | None) -> l
         cap = usd_to_nano(effective(settings, config).maxCostPerRun)
         lines.append(BudgetLine("run", run_key(run_id), usd_to_nano(settings.max_cost_per_run)))
         lines.append(BudgetLine("run", agent_key(run_id, agent_id), cap))
-    lines.append(BudgetLine("day", day_key(), usd_to_nano(settings.max_cost_per_day)))
+    at = now()
+    lines.append(BudgetLine("day", day_key(at), usd_to_nano(settings.max_cost_per_day), follows_settings=True))
+    if user_id is not None:
+        cap = usd_to_nano(settings.user_day_cost_cap)
+        lines.append(BudgetLine("user", user_day_key(user_id, at), cap, follows_settings=True))
+    if signal_id is not None:
+        cap = usd_to_nano(settings.signal_cost_cap)
+        lines.append(BudgetLine("signal", signal_key(signal_id), cap, follows_settings=True))
     return lines
+
+
+def _deadline(settings: Settings) -> datetime:
+    return now() + timedelta(seconds=settings.llm_timeout_seconds + RESERVATION_GRACE_SECONDS)
 
 
 def reserve(settings: Settings, lines: list[BudgetLine], amount_nano: int) -> Reservation:
@@ -106,10 +157,11 @@ def reserve(settings: Settings, lines: list[BudgetLine], amount_nano: int) -> Re
         with session_scope(settings) as session:
             spend_store.ensure_lines(session, lines)
             spend_store.reserve(session, lines, amount_nano)
+            reservation_id = spend_store.record_reservation(session, lines, amount_nano, _deadline(settings))
     except Refused as refused:
         metrics.BUDGET_EXHAUSTED.labels(scope=refused.line.scope).inc()
         raise BudgetExhausted(refused.line.scope, amount_nano / NANO, refused.remaining_nano / NANO) from None
-    return Reservation(tuple(lines), amount_nano)
+    return Reservation(tuple(lines), amount_nano, reservation_id=reservation_id)
 
 
 def reserve_call(
@@ -135,19 +187,40 @@ def reserve_call(
             amount = prompt_nano + price_nano(tokens, output_price)
             # The conditional update stays the guard (on SQLite nothing is row-locked).
             spend_store.reserve(session, lines, amount)
+            reservation_id = spend_store.record_reservation(session, lines, amount, _deadline(settings))
     except Refused as refused:
         metrics.BUDGET_EXHAUSTED.labels(scope=refused.line.scope).inc()
         needed = prompt_nano + price_nano(floor, output_price)
         raise BudgetExhausted(refused.line.scope, needed / NANO, refused.remaining_nano / NANO) from None
-    return Reservation(tuple(lines), amount, tokens)
+    return Reservation(tuple(lines), amount, tokens, reservation_id)
 
 
 def settle(settings: Settings, reservation: Reservation, actual_nano: int) -> int:
-    """Record the call's cost (capped at the reservation); returns what was recorded."""
+    """Record the call's cost (capped at the reservation); returns what was recorded
+    (the whole reservation if the reaper settled it first, taking the call for dead)."""
     recorded = max(0, min(actual_nano, reservation.amount_nano))
     with session_scope(settings) as session:
-        spend_store.settle(session, list(reservation.lines), reservation.amount_nano, recorded)
-    return recorded
+        settled = spend_store.settle(
+            session, reservation.reservation_id, list(reservation.lines), reservation.amount_nano, recorded
+        )
+    return recorded if settled else reservation.amount_nano
+
+
+def reap_expired(settings: Settings, at: datetime | None = None) -> tuple[int, int]:
+    """Settle, as spent in full, the reservations whose call deadline has passed: their
+    process died in the call, which may have been billed. Returns (count, nano)."""
+    with session_scope(settings) as session:
+        expired = spend_store.expired_reservations(session, at or now(), REAP_BATCH)
+    count = total = 0
+    for reservation_id in expired:
+        # One transaction each: a reservation's lines are locked in their own order.
+        with session_scope(settings) as session:
+            amount = spend_store.reap(session, reservation_id)
+        if amount is not None:
+            count, total = count + 1, total + amount
+    if count:
+        log.warning("budget_reservations_reaped", reservations=count, settled_nano=total)
+    return count, total
 
 
 def run_spent_nano(settings: Settings, run_id: int) -> int:

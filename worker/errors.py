@@ -53,8 +53,13 @@ class PermanentError(ReverieError):
     """Not worth retrying: bad credentials, an unknown or unpriced model."""
 
 
+class ContextWindowExceeded(PermanentError):
+    """The prompt is longer than the model's context window: the same prompt never fits."""
+
+
 class BudgetExhausted(ReverieError):
-    """A model call's reservation does not fit the run's or the day's budget."""
+    """A model call's reservation does not fit one of its budgets (``scope``: ``run``,
+    ``day``, ``user``: the user's signals for the day, or ``signal``: the signal's own)."""
 
     def __init__(self, scope: str, needed: float, remaining: float) -> None:
         self.scope = scope

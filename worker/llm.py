@@ -11,6 +11,16 @@ When the budget left cannot pay for the whole ceiling, a caller that passes
 the budget can still pay for; the reservation is always the price of the ceiling the
 call is actually made with, so the cap holds exactly as for a full reservation.
 
+The prompt is reserved with a margin on litellm's count where litellm does not count
+with the provider's own tokenizer (:mod:`worker.token_margin`). Usage above what was
+reserved for it, input or output, is logged (``llm_usage_over_reservation``) and
+counted (``dream_llm_usage_over_reservation_total`` by direction; the cost the budget
+did not take in ``dream_llm_unrecorded_cost_usd_total``).
+
+A call that ends without the provider's answer (a timeout, a connection lost, the
+task's soft time limit) may have been billed: its whole reservation is recorded as
+spent. Only a provider's own refusal (an error status) is recorded as free.
+
 What is recorded: the actual cost (usage x prices), never more than the reservation.
 A provider that reports more output than the ceiling (or returns text far longer than
 it) has broken the call's terms: its cost is recorded up to the reservation and no
@@ -19,7 +29,8 @@ did not take is logged (``llm_reply_over_ceiling``, ``over_nano``) and counted
 (``dream_llm_requests_total`` outcome ``over_ceiling``), and the reply is not used
 (:class:`MalformedReply`).
 
-Errors: :class:`BudgetExhausted` (the call was not made), :class:`TransientError`
+Errors: :class:`BudgetExhausted` (the call was not made), :class:`ContextWindowExceeded`
+(a permanent error: the prompt is too long for the model), :class:`TransientError`
 (timeout, rate limit, 5xx, overloaded: worth trying later), :class:`MalformedReply`
 (a transient error: the model answered, but not with a usable reply: not JSON, cut
 off at the ceiling, or over it; its cost is recorded), :class:`PermanentError`
@@ -38,8 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from store.types import NANO
-from worker import budget, metrics
-from worker.errors import PermanentError, TransientError
+from worker import budget, metrics, token_margin
+from worker.errors import ContextWindowExceeded, PermanentError, TransientError
 from worker.logs import get_logger
 from worker.settings import Settings
 
@@ -171,7 +182,28 @@ def count_text_tokens(settings: Settings, text: str) -> int:
 def reservation_floor_nano(settings: Settings, messages: list[dict[str, str]], min_tokens: int) -> int:
     """The least a call with these messages can reserve (its prompt and ``min_tokens``)."""
     in_price, out_price = prices(settings)
-    return budget.reservation_nano(count_prompt_tokens(settings, messages), min_tokens, in_price, out_price)
+    prompt = token_margin.reserved_prompt_tokens(settings, count_prompt_tokens(settings, messages))
+    return budget.reservation_nano(prompt, min_tokens, in_price, out_price)
+
+
+def _refused_by_provider(litellm: Any, exc: BaseException) -> bool:
+    """Whether the provider answered with an error status (it bills no tokens then);
+    anything else (a timeout, a lost connection, an interruption) may have been billed."""
+    if isinstance(exc, litellm.exceptions.Timeout | litellm.exceptions.APIConnectionError):
+        return False
+    answered = (
+        litellm.exceptions.RateLimitError,
+        litellm.exceptions.AuthenticationError,
+        litellm.exceptions.PermissionDeniedError,
+        litellm.exceptions.NotFoundError,
+        litellm.exceptions.BadRequestError,
+        litellm.exceptions.UnprocessableEntityError,
+        litellm.exceptions.ContentPolicyViolationError,
+        litellm.exceptions.InternalServerError,
+        litellm.exceptions.ServiceUnavailableError,
+        litellm.exceptions.BadGatewayError,
+    )
+    return isinstance(exc, answered)
 
 
 def classify(exc: BaseException) -> type[TransientError] | type[PermanentError] | None:
@@ -213,6 +245,8 @@ def complete(
     min_tokens: int | None = None,
     run_id: int | None = None,
     agent_id: str | None = None,
+    user_id: str | None = None,
+    signal_id: int | None = None,
     json_reply: bool = True,
 ) -> LlmReply:
     """One model call under the cost cap; see the module docstring for the errors.
@@ -220,17 +254,20 @@ def complete(
     ``max_tokens`` is the output ceiling; with ``min_tokens`` the call may be made with
     a smaller ceiling (never below ``min_tokens``) when the budget left cannot pay for
     the whole one. With ``json_reply`` (every Reverie prompt asks for JSON) a reply
-    that holds no complete JSON value raises :class:`MalformedReply`.
+    that holds no complete JSON value raises :class:`MalformedReply`. A signal's call
+    passes ``user_id`` and ``signal_id``: it must also fit that user's day and that
+    signal's own ceiling.
     """
     litellm = _load()
     model = model_name(settings)
     label = settings.llm_model
     in_price, out_price = prices(settings)
     prompt_tokens = count_prompt_tokens(settings, messages)
+    reserved_prompt = token_margin.reserved_prompt_tokens(settings, prompt_tokens)
     reservation = budget.reserve_call(
         settings,
-        budget.lines_for(settings, run_id, agent_id),
-        prompt_nano=budget.price_nano(prompt_tokens, in_price),
+        budget.lines_for(settings, run_id, agent_id, user_id=user_id, signal_id=signal_id),
+        prompt_nano=budget.price_nano(reserved_prompt, in_price),
         output_price=out_price,
         max_tokens=max_tokens,
         min_tokens=min_tokens,
@@ -247,12 +284,22 @@ def complete(
         )
     except Exception as exc:
         kind = classify(exc)
-        # A timed-out request may still have been billed: keep its reservation as spent.
-        billed = reservation.amount_nano if isinstance(exc, litellm.exceptions.Timeout) else 0
+        # A request that got no answer (timed out, cut off, interrupted) may have been
+        # billed: keep its reservation as spent.
+        billed = 0 if _refused_by_provider(litellm, exc) else reservation.amount_nano
         budget.settle(settings, reservation, billed)
         outcome = "transient" if kind is TransientError else "permanent" if kind is PermanentError else "error"
         metrics.LLM_REQUESTS.labels(model=label, outcome=outcome).inc()
-        log.warning("llm_call_failed", purpose=purpose, model=label, error=type(exc).__name__, outcome=outcome)
+        log.warning(
+            "llm_call_failed",
+            purpose=purpose,
+            model=label,
+            error=type(exc).__name__,
+            outcome=outcome,
+            recorded_nano=min(billed, reservation.amount_nano),
+        )
+        if isinstance(exc, litellm.exceptions.ContextWindowExceededError):
+            raise ContextWindowExceeded(f"{type(exc).__name__}: {_first_line(exc)}") from exc
         if kind is None:
             raise
         raise kind(f"{type(exc).__name__}: {_first_line(exc)}") from exc
@@ -270,6 +317,7 @@ def complete(
     actual = budget.price_nano(input_tokens, in_price) + budget.price_nano(output_tokens, out_price)
     recorded = budget.settle(settings, reservation, actual)
     cost = recorded / NANO
+    _report_overrun(purpose, label, (input_tokens, reserved_prompt), (output_tokens, ceiling), actual - recorded)
     metrics.LLM_TOKENS.labels(model=label, direction="input").inc(input_tokens)
     metrics.LLM_TOKENS.labels(model=label, direction="output").inc(output_tokens)
     metrics.LLM_COST.labels(model=label, purpose=purpose).inc(cost)
@@ -292,6 +340,30 @@ def complete(
         raise MalformedReply(problem)
     metrics.LLM_REQUESTS.labels(model=label, outcome="ok").inc()
     return LlmReply(text=text, input_tokens=input_tokens, output_tokens=output_tokens, cost_usd=cost, model=label)
+
+
+def _report_overrun(
+    purpose: str, label: str, input_usage: tuple[int, int], output_usage: tuple[int, int], unrecorded_nano: int
+) -> None:
+    """Log and count usage above what the reservation took for it (used, reserved)."""
+    over = [
+        (direction, used, reserved)
+        for direction, (used, reserved) in (("input", input_usage), ("output", output_usage))
+        if used > reserved
+    ]
+    if unrecorded_nano > 0:
+        metrics.LLM_UNRECORDED_COST.labels(model=label).inc(unrecorded_nano / NANO)
+    for direction, used, reserved in over:
+        metrics.LLM_USAGE_OVER_RESERVATION.labels(model=label, direction=direction).inc()
+        log.warning(
+            "llm_usage_over_reservation",
+            purpose=purpose,
+            model=label,
+            direction=direction,
+            used_tokens=used,
+            reserved_tokens=reserved,
+            unrecorded_nano=max(0, unrecorded_nano),
+        )
 
 
 def _problem(response: Any, text: str, output_tokens: int, ceiling: int, json_reply: bool) -> str | None:

@@ -46,6 +46,16 @@ MEMORY_WRITES = Counter(
 LLM_COST = Counter("dream_llm_cost_usd_total", "Settled model spend in USD.", ["model", "purpose"])
 LLM_TOKENS = Counter("dream_llm_tokens_total", "Model tokens, by direction.", ["model", "direction"])
 LLM_REQUESTS = Counter("dream_llm_requests_total", "Model calls, by outcome.", ["model", "outcome"])
+LLM_USAGE_OVER_RESERVATION = Counter(
+    "dream_llm_usage_over_reservation_total",
+    "Model calls whose usage passed what was reserved for it, by direction.",
+    ["model", "direction"],
+)
+LLM_UNRECORDED_COST = Counter(
+    "dream_llm_unrecorded_cost_usd_total",
+    "Cost of usage above a call's reservation, which the budgets did not record.",
+    ["model"],
+)
 BUDGET_EXHAUSTED = Counter(
     "dream_budget_exhausted_total", "Model calls not made because a budget was spent.", ["scope"]
 )
@@ -57,4 +67,4 @@ MEMORY_WRITE_ACTIONS = ("insert", "update", "delete")
 LLM_PURPOSES = ("extract_facts", "feedback", "summarize")
 LLM_DIRECTIONS = ("input", "output")
 LLM_OUTCOMES = ("ok", "transient", "permanent", "error", "over_ceiling", "malformed")
-BUDGET_SCOPES = ("run", "day")
+BUDGET_SCOPES = ("run", "day", "user", "signal")

@@ -159,6 +159,8 @@ def initialise_label_sets(model: str | None = None) -> None:
             metrics.LLM_COST.labels(model=model, purpose=purpose)
         for direction in metrics.LLM_DIRECTIONS:
             metrics.LLM_TOKENS.labels(model=model, direction=direction)
+            metrics.LLM_USAGE_OVER_RESERVATION.labels(model=model, direction=direction)
+        metrics.LLM_UNRECORDED_COST.labels(model=model)
         for outcome in metrics.LLM_OUTCOMES:
             metrics.LLM_REQUESTS.labels(model=model, outcome=outcome)
 

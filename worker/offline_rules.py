@@ -1,7 +1,8 @@
 """The deterministic rules behind the offline model's ``extract_facts`` and ``feedback``.
 
-They see what a real model would see (the whole transcript, every role; the whole
-original and edited text) and propose candidates the same way a model would. They do
+They see what a real model would see (every message of the transcript the extractor
+is shown, whatever its role; the whole original and edited text) and propose
+candidates the same way a model would. They do
 not judge where a candidate came from: the evidence checks in ``tasks.session_end``
 and ``tasks.feedback`` refuse anything not backed by the user's own words.
 """

@@ -14,6 +14,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "sqlite:///reverie.db"
+#: Default shares of ``max_cost_per_day`` for one user's signals and for one signal.
+USER_DAY_SHARE = 0.10
+SIGNAL_SHARE = 0.02
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -40,6 +43,13 @@ class Settings(BaseSettings):
     llm_timeout_seconds: float = Field(default=60.0, gt=0)
     max_cost_per_run: float = Field(default=0.50, ge=0)
     max_cost_per_day: float = Field(default=5.00, ge=0)
+    # What one user's signals may spend in a UTC day, and one signal over all its
+    # attempts; unset, a share of the day's cap, so one producer cannot spend it all.
+    max_cost_per_user_per_day: float | None = Field(default=None, ge=0)
+    max_cost_per_signal: float | None = Field(default=None, ge=0)
+    # Prompt tokens reserved on top of litellm's count, as a fraction of it; unset, by
+    # provider family (none where litellm counts with the provider's own tokenizer).
+    llm_prompt_token_margin: float | None = Field(default=None, ge=0, le=4)
 
     # -- dream defaults (EDDI dreamConfig; per-agent policies override) ------------
     prune_stale_after_days: int = Field(default=90, ge=0)
@@ -105,6 +115,20 @@ class Settings(BaseSettings):
     @property
     def allowed_category_set(self) -> frozenset[str]:
         return frozenset(_csv(self.allowed_categories))
+
+    @property
+    def user_day_cost_cap(self) -> float:
+        """USD one user's signals may spend per UTC day (default: a tenth of the day's cap)."""
+        if self.max_cost_per_user_per_day is not None:
+            return self.max_cost_per_user_per_day
+        return self.max_cost_per_day * USER_DAY_SHARE
+
+    @property
+    def signal_cost_cap(self) -> float:
+        """USD one signal may spend over all its attempts (default: 2 % of the day's cap)."""
+        if self.max_cost_per_signal is not None:
+            return self.max_cost_per_signal
+        return self.max_cost_per_day * SIGNAL_SHARE
 
     @property
     def is_sqlite(self) -> bool:
