@@ -42,7 +42,7 @@ def enqueue(
         str | None, typer.Option("--idempotency-key", help="Defaults to a hash of kind, user and payload.")
     ] = None,
 ) -> None:
-    """Queue one signal for one user (contract section 2)."""
+    """Queue one signal for one user."""
     from worker.payloads import check_kind
     from worker.producer import enqueue_signal
 
