@@ -17,6 +17,7 @@ from worker.logging_setup import configure_logging, redact_text
 from worker.logs import get_logger, user_ref
 from worker.producer import enqueue_signal
 from worker.settings import Settings
+from worker.url_secrets import mask_secrets, mask_url
 
 SECRET = "sk-proj-Zq8XvL2mN4pR7tY1wK9bC3dF6gH0jS5a"
 EMAIL = "dana.whitfield+memo@example.org"
@@ -137,10 +138,32 @@ def test_failed_task_is_logged_by_type_without_its_message(captured: io.StringIO
         ("random Xk29dLq0Pz7Wm3Rt8Ys1Vb6Nc4Ha", "Xk29dLq0Pz7Wm3Rt8Ys1Vb6Nc4Ha"),
         ("reach me at a.b@c.io", "a.b@c.io"),
         ("[SQL: INSERT ...] [parameters: ('my secret diary',)]", "my secret diary"),
+        ("postgresql://u@db/app?sslmode=require&sslpassword=sslpw77", "sslpw77"),
+        ("postgresql://u@db/app?password=querypw88", "querypw88"),
+        ("redis://:brokerpw@redis:6379/0?token=tok99", "tok99"),
+        ("https://h/x?api_key=key55&x=1", "key55"),
     ],
 )
 def test_redact_text_removes_secret_shapes(text: str, leak: str) -> None:
     assert leak not in redact_text(text)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://app:pw@db:5432/app", "postgresql://app:***@db:5432/app"),
+        ("postgresql://app@db/app?sslmode=require&password=pw", "postgresql://app@db/app?sslmode=require&password=***"),
+        (
+            "postgresql://db/app?sslpassword=a&secret=b&access_token=c&sslkey=d&application_name=w",
+            "postgresql://db/app?sslpassword=***&secret=***&access_token=***&sslkey=***&application_name=w",
+        ),
+        ("redis://:pw@redis:6379/0", "redis://:***@redis:6379/0"),
+        ("sqlite:///reverie.db", "sqlite:///reverie.db"),
+    ],
+)
+def test_url_secrets_are_masked_and_the_rest_kept(url: str, shown: str) -> None:
+    assert mask_url(url) == shown
+    assert mask_secrets(f"failed at {url}: refused") == f"failed at {shown}: refused"
 
 
 def test_ids_and_hashes_stay_readable() -> None:
