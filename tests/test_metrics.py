@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import stat
@@ -287,3 +288,68 @@ def test_textfile_replaces_atomically_and_keeps_the_old_file_on_error(
         write_textfile(target, registry)
     assert "dream_probe_total 3.0" in target.read_text("utf-8")
     assert [p.name for p in tmp_path.iterdir()] == ["reverie.prom"]
+
+
+def _samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = path.read_text("utf-8")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _cron_pass(settings: Settings, target: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    env.update(REVERIE_DATABASE_URL=settings.database_url, REVERIE_BROKER_URL="")
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from worker.cli import main; main()",
+            "run",
+            "--json",
+            "--metrics-textfile",
+            str(target),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+        check=True,
+    )
+
+
+def test_textfile_counters_add_up_across_cron_runs(pg_settings: Settings, tmp_path: Path) -> None:
+    target = tmp_path / "reverie.prom"
+    done = ("dream_signals_processed_total", (("kind", "activity"), ("outcome", "done")))
+    lag = ("dream_signal_lag_seconds_count", (("kind", "activity"),))
+    created = ("dream_signals_processed_created", (("kind", "activity"), ("outcome", "done")))
+    seen = []
+    for run, signals in enumerate((2, 1, 0)):
+        for i in range(signals):
+            event = {"action": f"digest-{run}-{i}", "at": "2026-11-23T09:00:00"}
+            enqueue_signal("activity", "ann", {"events": [event]}, settings=pg_settings)
+        _cron_pass(pg_settings, target)
+        seen.append(_samples(target))
+    assert [s[done] for s in seen] == [2.0, 3.0, 3.0]
+    assert [s[lag] for s in seen] == [2.0, 3.0, 3.0]
+    # Every cumulative sample only grows, and a series keeps the time it began.
+    for before, after in itertools.pairwise(seen):
+        for key, value in before.items():
+            if key[0].endswith(("_total", "_count", "_bucket")):
+                assert after[key] >= value, key
+    assert len({s[created] for s in seen}) == 1
+
+
+def test_textfile_writes_in_one_process_count_once(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    counter = Counter("dream_probe", "probe", registry=registry)
+    target = tmp_path / "reverie.prom"
+    target.write_text("# TYPE dream_probe_total counter\ndream_probe_total 10.0\n")
+    counter.inc(2)
+    write_textfile(target, registry)
+    counter.inc(1)
+    write_textfile(target, registry)
+    assert "dream_probe_total 13.0" in target.read_text("utf-8")
