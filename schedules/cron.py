@@ -1,4 +1,5 @@
-"""One pass in this process, for cron (``reverie run``): signals first, then dreams.
+"""One pass in this process, for cron (``reverie run``): signals first, then dreams,
+then the retention purge (:mod:`tasks.retention`).
 
 Without ``users`` or ``all_users`` the users due now are dreamed (see
 :mod:`store.schedule`), in chunks of ``dispatch_chunk_size`` through
@@ -34,6 +35,8 @@ class PassReport:
     signals_failed: int = 0
     signals_dead: int = 0
     cost_usd: float = 0.0
+    # Rows purged (or payloads emptied) past their retention, at the end of the pass.
+    rows_purged: int = 0
     run_ids: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -75,8 +78,9 @@ def run_once(
     all_users: bool = False,
     on_user: Callable[[int, int], None] | None = None,
 ) -> PassReport:
-    """Process pending signals, then dream the chosen users; ``on_user(done, total)``
-    is called after each user (progress display)."""
+    """Process pending signals, dream the chosen users, then purge what is past its
+    retention; ``on_user(done, total)`` is called after each user (progress display)."""
+    from tasks.retention import purge_expired
     from tasks.signals import process_pending
 
     report = PassReport()
@@ -94,4 +98,5 @@ def run_once(
             done += 1
             if on_user is not None:
                 on_user(done, len(chosen))
+    report.rows_purged = purge_expired(settings).total
     return report

@@ -65,6 +65,17 @@ class Settings(BaseSettings):
     signal_lease_seconds: int = Field(default=300, ge=5)
     signal_backoff_seconds: float = Field(default=30.0, ge=0)
 
+    # -- retention, in days (0 keeps forever) -------------------------------------
+    # The archive is the restore window; a finished signal keeps its row (idempotency)
+    # but not its payload; runs are kept at least as long as their archive rows.
+    archive_retention_days: int = Field(default=30, ge=0)
+    signal_payload_retention_days: int = Field(default=7, ge=0)
+    event_retention_days: int = Field(default=90, ge=0)
+    run_retention_days: int = Field(default=90, ge=0)
+    spend_retention_days: int = Field(default=90, ge=0)
+    purge_batch_size: int = Field(default=1000, ge=1)
+    purge_interval_seconds: float = Field(default=3600.0, gt=0)
+
     # -- operations ---------------------------------------------------------------
     metrics_port: int = Field(default=9540, ge=1, le=65535)
     log_format: Literal["auto", "json", "console"] = "auto"
