@@ -171,3 +171,49 @@ def test_ids_and_hashes_stay_readable() -> None:
     digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
     text = f"Task signals.process[{task_id}] received key={digest}"
     assert redact_text(text) == text
+
+
+@pytest.fixture()
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from worker import logs
+    from worker.settings import get_settings
+
+    monkeypatch.delenv("REVERIE_LOG_HASH_KEY", raising=False)
+    monkeypatch.setattr(logs, "_warned", set())
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def _public_key_warnings(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [line for line in lines(stream) if line.get("event") == "log_hash_key_is_public"]
+
+
+def test_beat_and_worker_warn_once_about_the_public_hash_key(
+    captured: io.StringIO, fresh_warnings: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker import celery_hooks, metrics_server
+    from worker.errors import ConfigError
+
+    def no_server(settings: Settings) -> None:
+        raise ConfigError("not in this test")
+
+    # The worker's start-up without what this test is not about: its own log handler,
+    # the model gateway and the metrics endpoint.
+    monkeypatch.setattr(celery_hooks, "configure_logging", lambda settings: None)
+    monkeypatch.setattr(celery_hooks, "_preload_gateway", lambda settings: None)
+    monkeypatch.setattr(metrics_server, "serve", no_server)
+    for _ in range(2):
+        signals.beat_init.send(sender=None)
+        signals.worker_init.send(sender=None)
+    warned = _public_key_warnings(captured)
+    assert sorted(line["process"] for line in warned) == ["beat", "worker"]
+    assert all(line["level"] == "warning" and "REVERIE_LOG_HASH_KEY" in line["hint"] for line in warned)
+
+
+def test_no_warning_with_a_key_of_ones_own(
+    captured: io.StringIO, fresh_warnings: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REVERIE_LOG_HASH_KEY", "a-secret-of-our-own")
+    signals.beat_init.send(sender=None)
+    assert _public_key_warnings(captured) == []

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from store.db import session_scope
 from store.signals import insert_signal
+from worker.metrics_server import serve
 from worker.metrics_textfile import write_textfile
 from worker.producer import enqueue_signal
 from worker.settings import Settings
@@ -353,3 +354,15 @@ def test_textfile_writes_in_one_process_count_once(tmp_path: Path) -> None:
     counter.inc(1)
     write_textfile(target, registry)
     assert "dream_probe_total 13.0" in target.read_text("utf-8")
+
+
+def test_metrics_address_is_a_setting() -> None:
+    assert Settings(_env_file=None).metrics_addr == "0.0.0.0"  # type: ignore[call-arg]
+    settings = Settings(_env_file=None, metrics_addr="127.0.0.1", metrics_port=free_port())  # type: ignore[call-arg]
+    server = serve(settings)
+    try:
+        assert server._server.server_address[:2] == ("127.0.0.1", settings.metrics_port)
+        with urllib.request.urlopen(f"http://127.0.0.1:{settings.metrics_port}/metrics", timeout=10) as response:
+            assert b"dream_signals_processed_total" in response.read()
+    finally:
+        server.close()

@@ -13,6 +13,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "sqlite:///reverie.db"
+#: The log hash key a fresh install has: public, so anyone can hash a known user id
+#: with it and find that user in the logs. Services warn at start while it is in use.
+PUBLIC_LOG_HASH_KEY = "reverie"
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -78,10 +81,13 @@ class Settings(BaseSettings):
 
     # -- operations ---------------------------------------------------------------
     metrics_port: int = Field(default=9540, ge=1, le=65535)
+    # Every interface by default, so Prometheus on another host (or container) can
+    # scrape the worker; 127.0.0.1 keeps /metrics on this host only.
+    metrics_addr: str = Field(default="0.0.0.0", min_length=1)  # noqa: S104 - see above
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: str = "INFO"
     # Key for the hash that stands in for user ids in logs.
-    log_hash_key: str = "reverie"
+    log_hash_key: str = PUBLIC_LOG_HASH_KEY
 
     # -- the service: Celery worker and beat ----------------------------------------
     dispatch_interval_seconds: float = Field(default=5.0, gt=0)
