@@ -17,6 +17,7 @@ from store.db import session_scope
 from store.types import now
 from tasks.dream import RunOutcome, dream_users
 from worker.settings import Settings
+from worker.url_secrets import mask_secrets
 
 
 @dataclass
@@ -49,7 +50,8 @@ class PassReport:
         if outcome.status == "failed":
             self.users_failed += 1
             if outcome.error:
-                self.errors.append(f"run {outcome.run_id}: {outcome.error}")
+                # Printed by ``--json``: an error may quote a connection URL.
+                self.errors.append(mask_secrets(f"run {outcome.run_id}: {outcome.error}"))
         self.users_processed += 1
         self.entries_pruned += outcome.entries_pruned
         self.contradictions_found += outcome.contradictions_found

@@ -217,3 +217,14 @@ def test_no_warning_with_a_key_of_ones_own(
     monkeypatch.setenv("REVERIE_LOG_HASH_KEY", "a-secret-of-our-own")
     signals.beat_init.send(sender=None)
     assert _public_key_warnings(captured) == []
+
+
+def test_run_errors_in_json_output_mask_url_secrets() -> None:
+    from schedules.cron import PassReport
+    from tasks.dream import RunOutcome
+
+    report = PassReport()
+    error = "database unreachable at postgresql://app:pw1@db/app?sslpassword=pw2: refused"
+    report.add(RunOutcome(user_id="u", status="failed", run_id=7, error=error))
+    [shown] = report.as_dict()["errors"]
+    assert shown == "run 7: database unreachable at postgresql://app:***@db/app?sslpassword=***: refused"

@@ -48,8 +48,9 @@ def run(
     settings = load_settings()
     # Logs go to stderr, so --json output on stdout stays one JSON object.
     configure_logging(settings)
-    warn_if_public_hash_key(settings, process="run")
     check_connection(settings)
+    # After the connection check, so a database that is not there is still one line.
+    warn_if_public_hash_key(settings, process="run")
     show_progress = not as_json and sys.stderr.isatty()
     if show_progress:
         from rich.progress import Progress
