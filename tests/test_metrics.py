@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -366,3 +367,29 @@ def test_metrics_address_is_a_setting() -> None:
             assert b"dream_signals_processed_total" in response.read()
     finally:
         server.close()
+
+
+def _write_twice(target: str, barrier: Any) -> None:
+    registry = CollectorRegistry()
+    counter = Counter("dream_probe", "probe", registry=registry)
+    barrier.wait(timeout=60)
+    for _ in range(2):
+        counter.inc()
+        write_textfile(Path(target), registry)
+
+
+def test_concurrent_textfile_writers_lose_no_count(tmp_path: Path) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    writers = 8
+    barrier = ctx.Barrier(writers)
+    target = tmp_path / "reverie.prom"
+    procs = [ctx.Process(target=_write_twice, args=(str(target), barrier)) for _ in range(writers)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    assert f"dream_probe_total {2.0 * writers}" in target.read_text("utf-8")
+    assert [p.name for p in tmp_path.iterdir()] == ["reverie.prom"]
