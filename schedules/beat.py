@@ -42,6 +42,11 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
             "schedule": crontab(**ROUTINES_AT),
             "options": {"expires": 6 * 3600},
         },
+        "purge-expired": {
+            "task": "retention.purge",
+            "schedule": settings.purge_interval_seconds,
+            "options": {"expires": settings.purge_interval_seconds},
+        },
         "refresh-pending-gauge": {
             "task": "metrics.refresh_pending",
             "schedule": PENDING_GAUGE_EVERY_SECONDS,

@@ -1,4 +1,5 @@
-"""One pass in this process, for cron (``reverie run``): signals first, then dreams.
+"""One pass in this process, for cron (``reverie run``): signals first, then dreams,
+then the retention purge (:mod:`tasks.retention`).
 
 It first settles the budget reservations that a killed pass left behind (see
 :func:`worker.budget.reap_expired`), so they do not hold the day's budget until midnight.
@@ -20,6 +21,7 @@ from store.types import now
 from tasks.dream import RunOutcome, dream_users
 from worker.budget import reap_expired
 from worker.settings import Settings
+from worker.url_secrets import mask_secrets
 
 
 @dataclass
@@ -38,6 +40,8 @@ class PassReport:
     signals_failed: int = 0
     signals_dead: int = 0
     cost_usd: float = 0.0
+    # Rows purged (or payloads emptied) past their retention, at the end of the pass.
+    rows_purged: int = 0
     run_ids: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -50,7 +54,8 @@ class PassReport:
         if outcome.status == "failed":
             self.users_failed += 1
             if outcome.error:
-                self.errors.append(f"run {outcome.run_id}: {outcome.error}")
+                # Printed by ``--json``: an error may quote a connection URL.
+                self.errors.append(mask_secrets(f"run {outcome.run_id}: {outcome.error}"))
         self.users_processed += 1
         self.entries_pruned += outcome.entries_pruned
         self.contradictions_found += outcome.contradictions_found
@@ -79,8 +84,9 @@ def run_once(
     all_users: bool = False,
     on_user: Callable[[int, int], None] | None = None,
 ) -> PassReport:
-    """Process pending signals, then dream the chosen users; ``on_user(done, total)``
-    is called after each user (progress display)."""
+    """Process pending signals, dream the chosen users, then purge what is past its
+    retention; ``on_user(done, total)`` is called after each user (progress display)."""
+    from tasks.retention import purge_expired
     from tasks.signals import process_pending
 
     report = PassReport()
@@ -99,4 +105,5 @@ def run_once(
             done += 1
             if on_user is not None:
                 on_user(done, len(chosen))
+    report.rows_purged = purge_expired(settings).total
     return report

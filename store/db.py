@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker.errors import ConfigError, DatabaseUnavailable, SchemaMissing
 from worker.settings import Settings
+from worker.url_secrets import mask_secrets, mask_url
 
 _engines: dict[tuple[int, str], Engine] = {}
 T = TypeVar("T")
@@ -29,11 +30,12 @@ APPLICATION_NAME = "reverie"
 
 
 def safe_url(url: str) -> str:
-    """The URL with any password masked, for messages and logs."""
+    """The URL with every secret masked (password, ``?password=``...), for messages and logs."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        make_url(url)
     except ArgumentError:
         return "<invalid url>"
+    return mask_url(url)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -171,7 +173,8 @@ def _is_connect_error(exc: OperationalError) -> bool:
 
 
 def _first_line(exc: BaseException | None) -> str:
-    return str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else "unknown error"
+    # A driver may echo what it was given, connection string included.
+    return mask_secrets(str(exc).strip().splitlines()[0]) if exc is not None and str(exc).strip() else "unknown error"
 
 
 def check_connection(settings: Settings) -> None:

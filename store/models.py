@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    UniqueConstraint,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -39,6 +40,8 @@ NAMING_CONVENTION = {
 SIGNAL_KINDS = ("session_end", "feedback", "activity")
 SIGNAL_STATUSES = ("pending", "processing", "done", "rejected", "failed", "dead")
 RUN_STATUSES = ("running", "succeeded", "failed", "skipped")
+#: Signals whose payload retention may empty: finished for good, payload still there.
+FINISHED_WITH_PAYLOAD = "status IN ('done', 'rejected') AND payload_purged_at IS NULL"
 
 
 class Base(DeclarativeBase):
@@ -60,8 +63,9 @@ class Signal(Base):
     user_id: Mapped[str] = mapped_column(String(255))
     agent_id: Mapped[str | None] = mapped_column(String(255))
     payload: Mapped[Any] = mapped_column(JsonType)
-    # Filled by a trigger on PostgreSQL when a producer leaves it out.
-    idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
+    # Filled by a trigger on PostgreSQL when a producer leaves it out. Unique per user,
+    # so one user's key never blocks another's (and the table can be split by user).
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
     status: Mapped[str] = mapped_column(String(16), server_default="pending")
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     last_error: Mapped[str | None] = mapped_column(Text)
@@ -70,9 +74,19 @@ class Signal(Base):
     claimed_until: Mapped[datetime | None]
     claim_token: Mapped[str | None] = mapped_column(String(36))
     processed_at: Mapped[datetime | None]
+    # When retention emptied the payload of this finished signal; the row stays, so a
+    # duplicate of it still takes no effect.
+    payload_purged_at: Mapped[datetime | None]
 
     __table_args__ = (
         CheckConstraint(_in("status", SIGNAL_STATUSES), name="status"),
+        UniqueConstraint("user_id", "idempotency_key"),
+        Index(
+            "ix_dream_signals_finished",
+            "processed_at",
+            postgresql_where=text(FINISHED_WITH_PAYLOAD),
+            sqlite_where=text(FINISHED_WITH_PAYLOAD),
+        ),
         Index(
             "ix_dream_signals_ready",
             "available_at",
@@ -232,6 +246,7 @@ class Event(Base):
         Index("ix_dream_events_user_id", "user_id"),
         Index("ix_dream_events_run_id", "run_id"),
         Index("ix_dream_events_signal_id", "signal_id"),
+        Index("ix_dream_events_at", "at"),
     )
 
 
@@ -262,6 +277,7 @@ class Spend(Base):
         CheckConstraint("scope IN ('run', 'day', 'user', 'signal')", name="scope"),
         CheckConstraint("reserved_nano >= 0 AND spent_nano >= 0", name="non_negative"),
         CheckConstraint("reserved_nano + spent_nano <= limit_nano", name="within_limit"),
+        Index("ix_dream_spend_updated_at", "updated_at"),
     )
 
 

@@ -35,7 +35,7 @@ def insert_signal(
     idempotency_key: str | None,
     fallback_key: str,
 ) -> Inserted:
-    """Insert a signal unless one with the same idempotency key exists.
+    """Insert a signal unless this user already has one with the same idempotency key.
 
     On PostgreSQL a missing key is computed by the table's trigger, exactly as for a
     producer that INSERTs by hand; elsewhere ``fallback_key`` is used.
@@ -52,14 +52,17 @@ def insert_signal(
     insert = postgresql.insert(Signal) if dialect == "postgresql" else sqlite.insert(Signal)
     statement = (
         insert.values(**values)
-        .on_conflict_do_nothing(index_elements=["idempotency_key"])
+        .on_conflict_do_nothing(index_elements=["user_id", "idempotency_key"])
         .returning(Signal.id, Signal.idempotency_key)
     )
     row = session.execute(statement).first()
     if row is not None:
         return Inserted(row.id, row.idempotency_key, created=True)
+    # Keys are unique per user: the duplicate is this user's own signal, never another's.
     existing = session.execute(
-        select(Signal.id, Signal.idempotency_key).where(Signal.idempotency_key == _key_expression(key, values, dialect))
+        select(Signal.id, Signal.idempotency_key).where(
+            Signal.user_id == user_id, Signal.idempotency_key == _key_expression(key, values, dialect)
+        )
     ).one()
     return Inserted(existing.id, existing.idempotency_key, created=False)
 

@@ -3,6 +3,9 @@
 The model proposes candidate preferences from the original and the edited text.
 A candidate counts only when its evidence comes from the user's edit: text found only
 in the edited version (the user wrote it) or only in the original (the user deleted it).
+Its value must be supported by that edit too: a word of the value that occurs in the
+draft must be one the user wrote or deleted, so text that sits untouched in the draft
+(injected by a tool or a web page the agent read) never becomes a preference.
 Each candidate is kept as a pending observation and becomes a ``preference`` entry
 only once it has been seen in ``feedback_min_recurrence`` feedback signals of that
 user: one edit is an accident, a repeated edit is a preference.
@@ -10,7 +13,9 @@ user: one edit is an accident, a repeated edit is a preference.
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +31,12 @@ PURPOSE = "feedback"
 MAX_KEY = 100
 MAX_VALUE = 1000
 MIN_EVIDENCE = 2
+_WORD = re.compile(r"\w+")
+#: Words so common that finding them in the draft says nothing about where a value came from.
+_FUNCTION_WORD_LIST = """a an the and or but nor not no of to in on at by for from with without into onto as is
+are be it its this that these those than then so very more less most least each every all any some instead rather
+only also just i you he she we they me him her us them my your our their"""
+_FUNCTION_WORDS = frozenset(_FUNCTION_WORD_LIST.split())
 
 SYSTEM_PROMPT = """[reverie:feedback]
 You compare a text an AI agent wrote with the version the user edited, and list the
@@ -89,9 +100,10 @@ def check_candidates(reply: str, original: str, edited: str, settings: Settings)
         effect.refuse({"key": "(reply)"}, "the model's reply was not a JSON array of preferences")
         return Proposal([], effect.decisions)
     before, after = normalise(original), normalise(edited)
+    edit = _Edit.between(before, after)
     kept: list[Candidate] = []
     for item in items[:200]:
-        candidate, reason = _check(item, before, after)
+        candidate, reason = _check(item, before, after, edit)
         if candidate is None:
             effect.refuse(item, reason)
         elif any(c.key == candidate.key for c in kept):
@@ -103,7 +115,30 @@ def check_candidates(reply: str, original: str, edited: str, settings: Settings)
     return Proposal(kept, effect.decisions)
 
 
-def _check(item: Any, before: str, after: str) -> tuple[Candidate | None, str]:
+@dataclass(frozen=True)
+class _Edit:
+    """The words of a draft and of the user's edit of it."""
+
+    draft: frozenset[str]
+    changed: frozenset[str]
+
+    @classmethod
+    def between(cls, before: str, after: str) -> _Edit:
+        old, new = _WORD.findall(before), _WORD.findall(after)
+        changed: set[str] = set()
+        matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag != "equal":
+                changed.update(old[i1:i2], new[j1:j2])
+        return cls(frozenset(old) | frozenset(new), frozenset(changed))
+
+    def borrowed(self, value: str) -> list[str]:
+        """Words of ``value`` found in the texts but outside what the user wrote or deleted."""
+        words = _WORD.findall(normalise(value))
+        return [w for w in words if w not in _FUNCTION_WORDS and w in self.draft and w not in self.changed]
+
+
+def _check(item: Any, before: str, after: str, edit: _Edit) -> tuple[Candidate | None, str]:
     if not isinstance(item, dict):
         return None, "not an object with key, value and evidence"
     key, value, evidence = item.get("key"), item.get("value"), item.get("evidence")
@@ -120,6 +155,11 @@ def _check(item: Any, before: str, after: str) -> tuple[Candidate | None, str]:
     # the original); text they left untouched is the agent's, not evidence of theirs.
     if (quote in after) == (quote in before):
         return None, "evidence: not text the user wrote or deleted in this edit"
+    # Like a fact's value in its quote: the edit must carry the value. A model describes a
+    # preference in its own words, but a word it took from the draft must be one the user
+    # touched; the draft's untouched text is the agent's (or an injection's), never theirs.
+    if edit.borrowed(value):
+        return None, "value: repeats draft text the user did not write or delete in this edit"
     return Candidate(key.strip(), value.strip(), evidence.strip()), ""
 
 

@@ -28,8 +28,15 @@ TASKS = {
     "schedules.adopt": HOUSEKEEPING_QUEUE,
     "activity.routines": HOUSEKEEPING_QUEUE,
     "metrics.refresh_pending": HOUSEKEEPING_QUEUE,
+    "retention.purge": HOUSEKEEPING_QUEUE,
 }
-PERIODIC_ONLY = {"schedules.dispatch", "schedules.sweep", "schedules.adopt", "metrics.refresh_pending"}
+PERIODIC_ONLY = {
+    "schedules.dispatch",
+    "schedules.sweep",
+    "schedules.adopt",
+    "metrics.refresh_pending",
+    "retention.purge",
+}
 
 
 def _ours() -> dict[str, Any]:
@@ -105,13 +112,16 @@ def test_only_typed_transient_errors_are_retried() -> None:
 
 
 def test_beat_schedule_names_real_tasks_on_the_configured_intervals() -> None:
-    settings = Settings(_env_file=None, dispatch_interval_seconds=2, sweep_interval_seconds=7)  # type: ignore[call-arg]
+    settings = Settings(  # type: ignore[call-arg]
+        _env_file=None, dispatch_interval_seconds=2, sweep_interval_seconds=7, purge_interval_seconds=900
+    )
     schedule = celery_config(settings)["beat_schedule"]
     by_task = {entry["task"]: entry for entry in schedule.values()}
 
     assert set(by_task) <= set(TASKS)
     assert by_task["schedules.dispatch"]["schedule"] == 2
     assert by_task["schedules.sweep"]["schedule"] == 7
+    assert by_task["retention.purge"]["schedule"] == 900
     routines = by_task["activity.routines"]["schedule"]
     assert isinstance(routines, crontab)
     assert routines.remaining_estimate(routines.now()) <= timedelta(days=1)

@@ -47,6 +47,29 @@ def test_unreachable_database_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(result, "database unreachable", "127.0.0.1:1")
 
 
+SECRET_URL = "postgresql://reverie:UserinfoPw1@127.0.0.1:1/app?sslmode=prefer&password=QueryPw2&sslpassword=SslPw3"
+
+
+@pytest.mark.parametrize("args", [["migrate"], ["run", "--json"], ["run"], ["signals", "list"]])
+def test_secrets_in_the_database_url_are_never_printed(args: list[str]) -> None:
+    result = run(args, env={"REVERIE_DATABASE_URL": SECRET_URL, "REVERIE_LOG_FORMAT": "json"})
+    assert_one_line_error(result, "database unreachable", "127.0.0.1:1", "sslmode=prefer", "password=***")
+    for secret in ("UserinfoPw1", "QueryPw2", "SslPw3"):
+        assert secret not in result.stderr + result.stdout
+
+
+def test_run_warns_once_when_the_log_hash_key_is_the_public_default(tmp_path: Path) -> None:
+    env = {"REVERIE_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}", "REVERIE_LOG_FORMAT": "json"}
+    assert run(["migrate"], env=env).returncode == 0
+    default = run(["run", "--json"], env=env)
+    own = run(["run", "--json"], env={**env, "REVERIE_LOG_HASH_KEY": "k-of-our-own"})
+    assert default.returncode == 0 and own.returncode == 0
+    warned = [line for line in default.stderr.splitlines() if "log_hash_key_is_public" in line]
+    assert len(warned) == 1 and json.loads(warned[0])["process"] == "run"
+    assert "log_hash_key_is_public" not in own.stderr
+    assert json.loads(default.stdout)["users_processed"] == 0
+
+
 def test_bad_setting_is_one_line() -> None:
     result = run(["migrate"], env={"REVERIE_METRICS_PORT": "not-a-port"})
     assert_one_line_error(result, "REVERIE_METRICS_PORT")

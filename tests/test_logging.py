@@ -17,6 +17,7 @@ from worker.logging_setup import configure_logging, redact_text
 from worker.logs import get_logger, user_ref
 from worker.producer import enqueue_signal
 from worker.settings import Settings
+from worker.url_secrets import mask_secrets, mask_url
 
 SECRET = "sk-proj-Zq8XvL2mN4pR7tY1wK9bC3dF6gH0jS5a"
 EMAIL = "dana.whitfield+memo@example.org"
@@ -137,10 +138,32 @@ def test_failed_task_is_logged_by_type_without_its_message(captured: io.StringIO
         ("random Xk29dLq0Pz7Wm3Rt8Ys1Vb6Nc4Ha", "Xk29dLq0Pz7Wm3Rt8Ys1Vb6Nc4Ha"),
         ("reach me at a.b@c.io", "a.b@c.io"),
         ("[SQL: INSERT ...] [parameters: ('my secret diary',)]", "my secret diary"),
+        ("postgresql://u@db/app?sslmode=require&sslpassword=sslpw77", "sslpw77"),
+        ("postgresql://u@db/app?password=querypw88", "querypw88"),
+        ("redis://:brokerpw@redis:6379/0?token=tok99", "tok99"),
+        ("https://h/x?api_key=key55&x=1", "key55"),
     ],
 )
 def test_redact_text_removes_secret_shapes(text: str, leak: str) -> None:
     assert leak not in redact_text(text)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://app:pw@db:5432/app", "postgresql://app:***@db:5432/app"),
+        ("postgresql://app@db/app?sslmode=require&password=pw", "postgresql://app@db/app?sslmode=require&password=***"),
+        (
+            "postgresql://db/app?sslpassword=a&secret=b&access_token=c&sslkey=d&application_name=w",
+            "postgresql://db/app?sslpassword=***&secret=***&access_token=***&sslkey=***&application_name=w",
+        ),
+        ("redis://:pw@redis:6379/0", "redis://:***@redis:6379/0"),
+        ("sqlite:///reverie.db", "sqlite:///reverie.db"),
+    ],
+)
+def test_url_secrets_are_masked_and_the_rest_kept(url: str, shown: str) -> None:
+    assert mask_url(url) == shown
+    assert mask_secrets(f"failed at {url}: refused") == f"failed at {shown}: refused"
 
 
 def test_ids_and_hashes_stay_readable() -> None:
@@ -148,3 +171,60 @@ def test_ids_and_hashes_stay_readable() -> None:
     digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
     text = f"Task signals.process[{task_id}] received key={digest}"
     assert redact_text(text) == text
+
+
+@pytest.fixture()
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from worker import logs
+    from worker.settings import get_settings
+
+    monkeypatch.delenv("REVERIE_LOG_HASH_KEY", raising=False)
+    monkeypatch.setattr(logs, "_warned", set())
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def _public_key_warnings(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [line for line in lines(stream) if line.get("event") == "log_hash_key_is_public"]
+
+
+def test_beat_and_worker_warn_once_about_the_public_hash_key(
+    captured: io.StringIO, fresh_warnings: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker import celery_hooks, metrics_server
+    from worker.errors import ConfigError
+
+    def no_server(settings: Settings) -> None:
+        raise ConfigError("not in this test")
+
+    # The worker's start-up without what this test is not about: its own log handler,
+    # the model gateway and the metrics endpoint.
+    monkeypatch.setattr(celery_hooks, "configure_logging", lambda settings: None)
+    monkeypatch.setattr(celery_hooks, "_preload_gateway", lambda settings: None)
+    monkeypatch.setattr(metrics_server, "serve", no_server)
+    for _ in range(2):
+        signals.beat_init.send(sender=None)
+        signals.worker_init.send(sender=None)
+    warned = _public_key_warnings(captured)
+    assert sorted(line["process"] for line in warned) == ["beat", "worker"]
+    assert all(line["level"] == "warning" and "REVERIE_LOG_HASH_KEY" in line["hint"] for line in warned)
+
+
+def test_no_warning_with_a_key_of_ones_own(
+    captured: io.StringIO, fresh_warnings: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REVERIE_LOG_HASH_KEY", "a-secret-of-our-own")
+    signals.beat_init.send(sender=None)
+    assert _public_key_warnings(captured) == []
+
+
+def test_run_errors_in_json_output_mask_url_secrets() -> None:
+    from schedules.cron import PassReport
+    from tasks.dream import RunOutcome
+
+    report = PassReport()
+    error = "database unreachable at postgresql://app:pw1@db/app?sslpassword=pw2: refused"
+    report.add(RunOutcome(user_id="u", status="failed", run_id=7, error=error))
+    [shown] = report.as_dict()["errors"]
+    assert shown == "run 7: database unreachable at postgresql://app:***@db/app?sslpassword=***: refused"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import stat
@@ -12,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -19,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from store.db import session_scope
 from store.signals import insert_signal
+from worker.metrics_server import serve
 from worker.metrics_textfile import write_textfile
 from worker.producer import enqueue_signal
 from worker.settings import Settings
@@ -336,3 +339,106 @@ def test_a_fresh_worker_exports_every_family_at_zero_from_the_first_scrape(
         assert has("dream_llm_requests_total", model=model, outcome=outcome)
     for purpose in ("extract_facts", "feedback", "summarize"):
         assert has("dream_llm_cost_usd_total", model=model, purpose=purpose)
+
+
+def _samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = path.read_text("utf-8")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _cron_pass(settings: Settings, target: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    env.update(REVERIE_DATABASE_URL=settings.database_url, REVERIE_BROKER_URL="")
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from worker.cli import main; main()",
+            "run",
+            "--json",
+            "--metrics-textfile",
+            str(target),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+        check=True,
+    )
+
+
+def test_textfile_counters_add_up_across_cron_runs(pg_settings: Settings, tmp_path: Path) -> None:
+    target = tmp_path / "reverie.prom"
+    done = ("dream_signals_processed_total", (("kind", "activity"), ("outcome", "done")))
+    lag = ("dream_signal_lag_seconds_count", (("kind", "activity"),))
+    created = ("dream_signals_processed_created", (("kind", "activity"), ("outcome", "done")))
+    seen = []
+    for run, signals in enumerate((2, 1, 0)):
+        for i in range(signals):
+            event = {"action": f"digest-{run}-{i}", "at": "2026-11-23T09:00:00"}
+            enqueue_signal("activity", "ann", {"events": [event]}, settings=pg_settings)
+        _cron_pass(pg_settings, target)
+        seen.append(_samples(target))
+    assert [s[done] for s in seen] == [2.0, 3.0, 3.0]
+    assert [s[lag] for s in seen] == [2.0, 3.0, 3.0]
+    # Every cumulative sample only grows, and a series keeps the time it began.
+    for before, after in itertools.pairwise(seen):
+        for key, value in before.items():
+            if key[0].endswith(("_total", "_count", "_bucket")):
+                assert after[key] >= value, key
+    assert len({s[created] for s in seen}) == 1
+
+
+def test_textfile_writes_in_one_process_count_once(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    counter = Counter("dream_probe", "probe", registry=registry)
+    target = tmp_path / "reverie.prom"
+    target.write_text("# TYPE dream_probe_total counter\ndream_probe_total 10.0\n")
+    counter.inc(2)
+    write_textfile(target, registry)
+    counter.inc(1)
+    write_textfile(target, registry)
+    assert "dream_probe_total 13.0" in target.read_text("utf-8")
+
+
+def test_metrics_address_is_a_setting(sqlite_settings: Settings) -> None:
+    assert Settings(_env_file=None).metrics_addr == "0.0.0.0"  # type: ignore[call-arg]
+    settings = sqlite_settings.model_copy(update={"metrics_addr": "127.0.0.1", "metrics_port": free_port()})
+    server = serve(settings)
+    try:
+        assert server._server.server_address[:2] == ("127.0.0.1", settings.metrics_port)
+        with urllib.request.urlopen(f"http://127.0.0.1:{settings.metrics_port}/metrics", timeout=10) as response:
+            assert b"dream_signals_processed_total" in response.read()
+    finally:
+        server.close()
+
+
+def _write_twice(target: str, barrier: Any) -> None:
+    registry = CollectorRegistry()
+    counter = Counter("dream_probe", "probe", registry=registry)
+    barrier.wait(timeout=60)
+    for _ in range(2):
+        counter.inc()
+        write_textfile(Path(target), registry)
+
+
+def test_concurrent_textfile_writers_lose_no_count(tmp_path: Path) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    writers = 8
+    barrier = ctx.Barrier(writers)
+    target = tmp_path / "reverie.prom"
+    procs = [ctx.Process(target=_write_twice, args=(str(target), barrier)) for _ in range(writers)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    assert f"dream_probe_total {2.0 * writers}" in target.read_text("utf-8")
+    assert [p.name for p in tmp_path.iterdir()] == ["reverie.prom"]

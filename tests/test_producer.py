@@ -80,6 +80,38 @@ def test_duplicate_is_a_no_op_that_says_so(store_settings: Settings) -> None:
     assert signal_count(store_settings) == 1
 
 
+def test_idempotency_keys_are_per_user(store_settings: Settings) -> None:
+    key = "session_end:c-1001"
+    mallory = enqueue_signal("session_end", "mallory", OK, idempotency_key=key, settings=store_settings)
+    alice = enqueue_signal("session_end", "alice", OK, idempotency_key=key, settings=store_settings)
+    assert mallory.created and alice.created
+    assert alice.signal_id != mallory.signal_id
+    again = enqueue_signal(
+        "session_end", "alice", {**OK, "conversation_id": "d"}, idempotency_key=key, settings=store_settings
+    )
+    assert (again.signal_id, again.created) == (alice.signal_id, False)
+    with session_scope(store_settings) as session:
+        rows = session.execute(select(Signal.user_id, Signal.idempotency_key).order_by(Signal.id)).all()
+    assert [tuple(r) for r in rows] == [("mallory", key), ("alice", key)]
+
+
+def test_sql_producer_conflicts_per_user(pg_settings: Settings) -> None:
+    import psycopg
+
+    insert = (
+        "INSERT INTO dream_signals (kind, user_id, payload, idempotency_key) "
+        "VALUES ('activity', %s, '{\"events\": []}', 'session_end:c-1001') "
+        "ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING id"
+    )
+    with psycopg.connect(pg_settings.database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        first = conn.execute(insert, ("mallory",)).fetchone()
+        alice = conn.execute(insert, ("alice",)).fetchone()
+        duplicate = conn.execute(insert, ("alice",)).fetchone()
+    assert first is not None and alice is not None and first != alice
+    assert duplicate is None
+    assert signal_count(pg_settings) == 2
+
+
 def test_enqueue_inside_the_callers_transaction(pg_settings: Settings) -> None:
     with pytest.raises(RuntimeError), session_scope(pg_settings) as session:
         enqueue_signal("session_end", "u", OK, session=session, settings=pg_settings)
@@ -119,6 +151,19 @@ def test_cli_enqueue_duplicate_says_so(cli_env: CliRunner, pg_settings: Settings
     second = cli_env.invoke(app, args)
     assert second.exit_code == 0 and "duplicate" in second.output and "nothing written" in second.output
     assert signal_count(pg_settings) == 1
+
+
+def test_cli_enqueue_never_returns_another_users_signal(
+    cli_env: CliRunner, pg_settings: Settings, tmp_path: Path
+) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(OK))
+    mallory = enqueue_signal("session_end", "mallory", OK, idempotency_key="session_end:c-1001", settings=pg_settings)
+    args = ["enqueue", "session_end", "--user", "alice", "--idempotency-key", "session_end:c-1001"]
+    result = cli_env.invoke(app, [*args, "--payload", str(good)])
+    assert result.exit_code == 0 and "enqueued signal" in result.output
+    assert f"signal {mallory.signal_id} " not in result.output
+    assert signal_count(pg_settings) == 2
 
 
 JSON = st.recursive(

@@ -55,6 +55,7 @@ ROUTES = {
     "schedules.*": {"queue": HOUSEKEEPING_QUEUE},
     "activity.*": {"queue": HOUSEKEEPING_QUEUE},
     "metrics.*": {"queue": HOUSEKEEPING_QUEUE},
+    "retention.*": {"queue": HOUSEKEEPING_QUEUE},
 }
 
 

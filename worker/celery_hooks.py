@@ -31,7 +31,7 @@ from celery.app import trace as celery_trace
 from worker import metrics_server
 from worker.errors import ReverieError
 from worker.logging_setup import configure_logging, route_litellm_logging
-from worker.logs import get_logger
+from worker.logs import get_logger, warn_if_public_hash_key
 from worker.metrics_server import refresh_pending_gauge
 from worker.settings import Settings, get_settings
 
@@ -79,6 +79,7 @@ def _worker_init(**_: Any) -> None:
     settings = get_settings()
     # worker_init comes before Celery's setup_logging; these first lines need the format too.
     configure_logging(settings)
+    warn_if_public_hash_key(settings, process="worker")
     _preload_gateway(settings)
     directory = metrics_server.multiprocess_dir()
     if directory is not None:
@@ -97,6 +98,10 @@ def _worker_init(**_: Any) -> None:
         log.error("metrics endpoint not started", error=str(exc))
         return
     log.info("metrics endpoint serving", port=_server.port, path="/metrics")
+
+
+def _beat_init(**_: Any) -> None:
+    warn_if_public_hash_key(get_settings(), process="beat")
 
 
 def _preload_gateway(settings: Settings) -> None:
@@ -207,6 +212,7 @@ def _task_postrun(task_id: str | None = None, state: str | None = None, **_: Any
 signals.setup_logging.connect(_setup_logging)
 signals.celeryd_init.connect(_celeryd_init)
 signals.worker_init.connect(_worker_init)
+signals.beat_init.connect(_beat_init)
 signals.worker_shutdown.connect(_worker_shutdown)
 signals.beat_init.connect(_beat_init)
 signals.worker_process_init.connect(_worker_process_init)

@@ -14,6 +14,7 @@ same work.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 from celery import Task
@@ -22,6 +23,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from schedules import dispatcher, sweeper
 from tasks.activity import detect_routines
 from tasks.dream import dream_user, dream_users
+from tasks.retention import purge_expired
 from tasks.signals import process_signal
 from worker.app import app
 from worker.errors import BrokerUnavailable, DatabaseUnavailable, TransientError
@@ -124,6 +126,12 @@ def adopt() -> int:
 def routines() -> int:
     """The daily routine detection over recent activity events."""
     return detect_routines(get_settings())
+
+
+@task("retention.purge", soft_time_limit=1700, time_limit=1800)
+def purge() -> dict[str, int]:
+    """Purge what is past its retention (archive, signal payloads, events, runs, spend)."""
+    return asdict(purge_expired(get_settings()))
 
 
 @task("metrics.refresh_pending", soft_time_limit=25, time_limit=30)

@@ -23,6 +23,7 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 
 from worker.logs import user_ref
 from worker.settings import Settings
+from worker.url_secrets import mask_secrets
 
 __all__ = ["REDACTED", "configure_logging", "redact", "redact_text", "route_litellm_logging"]
 
@@ -124,6 +125,7 @@ def _looks_random(word: str) -> bool:
 
 def redact_text(text: str) -> str:
     """``text`` with e-mail addresses, credentials and secret-looking words replaced."""
+    text = mask_secrets(text)
     for pattern, replacement in _TEXT_RULES:
         text = pattern.sub(replacement, text)
     return _WORD.sub(lambda m: REDACTED if _looks_random(m.group(0)) else m.group(0), text)

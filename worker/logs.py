@@ -11,7 +11,9 @@ import hmac
 
 import structlog
 
-from worker.settings import get_settings
+from worker.settings import PUBLIC_LOG_HASH_KEY, Settings, get_settings
+
+_warned: set[str] = set()
 
 
 def user_ref(user_id: str, key: str | None = None) -> str:
@@ -23,3 +25,18 @@ def user_ref(user_id: str, key: str | None = None) -> str:
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     logger: structlog.stdlib.BoundLogger = structlog.get_logger(name)
     return logger
+
+
+def warn_if_public_hash_key(settings: Settings, *, process: str) -> bool:
+    """Warn (once per process) that user ids in logs are hashed with the public default
+    key; returns whether it warned. For the long-running services and cron passes:
+    with a key anyone knows, a known user id can be hashed and found in the logs."""
+    if settings.log_hash_key != PUBLIC_LOG_HASH_KEY or process in _warned:
+        return False
+    _warned.add(process)
+    get_logger("reverie.settings").warning(
+        "log_hash_key_is_public",
+        process=process,
+        hint="set REVERIE_LOG_HASH_KEY to a secret value of your own; user ids in logs are hashed with it",
+    )
+    return True

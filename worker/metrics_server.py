@@ -193,8 +193,9 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def serve(settings: Settings, *, addr: str = "0.0.0.0") -> MetricsServer:  # noqa: S104 - scraped from other hosts
-    """Serve ``/metrics`` on ``settings.metrics_port`` from a daemon thread.
+def serve(settings: Settings, *, addr: str | None = None) -> MetricsServer:
+    """Serve ``/metrics`` on ``settings.metrics_addr`` (or ``addr``) and
+    ``settings.metrics_port`` from a daemon thread.
 
     In multiprocess mode the page sums the files of every process, so one endpoint in
     the worker's parent covers all of its children. Raises :class:`ConfigError` when
@@ -206,10 +207,13 @@ def serve(settings: Settings, *, addr: str = "0.0.0.0") -> MetricsServer:  # noq
 
     initialise_label_sets(settings.llm_model)
     _first_gauge_values(settings)
+    where = addr or settings.metrics_addr
     try:
-        server, thread = start_http_server(settings.metrics_port, addr=addr, registry=build_registry())
+        server, thread = start_http_server(settings.metrics_port, addr=where, registry=build_registry())
     except OSError as exc:
-        raise ConfigError(f"cannot serve metrics on port {settings.metrics_port}: {exc.strerror or exc}") from exc
+        raise ConfigError(
+            f"cannot serve metrics on {where} port {settings.metrics_port}: {exc.strerror or exc}"
+        ) from exc
     return MetricsServer(port=settings.metrics_port, _server=server, _thread=thread)
 
 

@@ -4,11 +4,20 @@ node-exporter's textfile collector reads ``*.prom`` files from a directory at an
 moment, so the file is never written in place: the exposition text goes to a temporary
 file in the same directory, is flushed to disk, and is renamed over the target. A
 reader sees the old file or the new one, never half of either.
+
+Counters and histograms in the file are cumulative across runs, as Prometheus'
+``increase()`` and ``rate()`` expect: each write adds what this process counted since
+its last write to the values the file already holds. The file itself is the running
+total, so nothing else has to survive between runs: a run that crashes before writing
+loses only its own counts, and a deleted file starts again from zero (a counter reset,
+which Prometheus handles). Concurrent writers take turns on a lock on the directory.
+Gauges are the current values.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -16,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 # Importing the module registers every family, so an idle run still exposes them all.
 import worker.metrics  # noqa: F401
@@ -24,6 +35,13 @@ from worker.metrics_server import initialise_label_sets
 __all__ = ["render", "write_textfile"]
 
 PREFIX = "dream_"
+#: Families whose samples only grow; ``_created`` is when the series began, kept from the first run.
+CUMULATIVE = ("counter", "histogram")
+CREATED = "_created"
+
+_SampleKey = tuple[str, tuple[tuple[str, str], ...]]
+#: What this process has already added to each file, per (file, registry): written - base.
+_contributed: dict[tuple[str, int], dict[_SampleKey, float]] = {}
 
 
 class _ReverieFamilies:
@@ -48,14 +66,88 @@ def render(source: CollectorRegistry = REGISTRY) -> bytes:
 
 
 def write_textfile(path: Path, source: CollectorRegistry = REGISTRY) -> None:
-    """Atomically replace ``path`` with the current values of every family.
+    """Atomically replace ``path`` with every family: counters and histograms added to
+    the totals already in the file, gauges as they are now.
 
     The parent directory must exist. The file is world-readable (0644), as the
     collector usually runs as another user. On any error the target is left as it was
     and the temporary file is removed.
     """
     path = Path(path)
-    data = render(source)
+    initialise_label_sets()
+    owner = (str(path.resolve()), id(source))
+    with _locked(path.parent):
+        previous = _read_samples(path)
+        families, added = _accumulate(_dream_families(source), previous, _contributed.get(owner, {}))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Fixed(families))
+        _replace(path, generate_latest(registry))
+    _contributed[owner] = added
+
+
+def _dream_families(source: CollectorRegistry) -> list[Metric]:
+    return [family for family in source.collect() if family.name.startswith(PREFIX)]
+
+
+def _key(name: str, labels: dict[str, str]) -> _SampleKey:
+    return name, tuple(sorted(labels.items()))
+
+
+def _read_samples(path: Path) -> dict[_SampleKey, float]:
+    """Every sample in the file as it stands; none if it is missing or unreadable."""
+    try:
+        text = path.read_text("utf-8")
+        return {_key(s.name, s.labels): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    except (OSError, ValueError):
+        # Not ours to repair: starting from zero again is a counter reset, which
+        # Prometheus handles; refusing to write would hide every later count.
+        return {}
+
+
+def _accumulate(
+    families: list[Metric], previous: dict[_SampleKey, float], contributed: dict[_SampleKey, float]
+) -> tuple[list[Metric], dict[_SampleKey, float]]:
+    """The families with the file's totals added; and what this process has now added."""
+    merged: list[Metric] = []
+    added: dict[_SampleKey, float] = {}
+    for family in families:
+        if family.type not in CUMULATIVE:
+            merged.append(family)
+            continue
+        out = Metric(family.name, family.documentation, family.type)
+        for sample in family.samples:
+            key = _key(sample.name, sample.labels)
+            if sample.name.endswith(CREATED):
+                value = previous.get(key, sample.value)
+            else:
+                # Only what this process counted since it last wrote here is new.
+                value = previous.get(key, 0.0) + sample.value - contributed.get(key, 0.0)
+                added[key] = sample.value
+            out.add_sample(sample.name, sample.labels, value)
+        merged.append(out)
+    return merged, added
+
+
+class _Fixed:
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    # A lock on the directory itself: no lock file for the collector to trip over.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _replace(path: Path, data: bytes) -> None:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:

@@ -18,6 +18,10 @@ DEFAULT_DATABASE_URL = "sqlite:///reverie.db"
 USER_DAY_SHARE = 0.10
 SIGNAL_SHARE = 0.02
 
+#: The log hash key a fresh install has: public, so anyone can hash a known user id
+#: with it and find that user in the logs. Services warn at start while it is in use.
+PUBLIC_LOG_HASH_KEY = "reverie"
+
 
 def _csv(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
@@ -76,12 +80,26 @@ class Settings(BaseSettings):
     signal_lease_seconds: int = Field(default=300, ge=5)
     signal_backoff_seconds: float = Field(default=30.0, ge=0)
 
+    # -- retention, in days (0 keeps forever) -------------------------------------
+    # The archive is the restore window; a finished signal keeps its row (idempotency)
+    # but not its payload; runs are kept at least as long as their archive rows.
+    archive_retention_days: int = Field(default=30, ge=0)
+    signal_payload_retention_days: int = Field(default=7, ge=0)
+    event_retention_days: int = Field(default=90, ge=0)
+    run_retention_days: int = Field(default=90, ge=0)
+    spend_retention_days: int = Field(default=90, ge=0)
+    purge_batch_size: int = Field(default=1000, ge=1)
+    purge_interval_seconds: float = Field(default=3600.0, gt=0)
+
     # -- operations ---------------------------------------------------------------
     metrics_port: int = Field(default=9540, ge=1, le=65535)
+    # Every interface by default, so Prometheus on another host (or container) can
+    # scrape the worker; 127.0.0.1 keeps /metrics on this host only.
+    metrics_addr: str = Field(default="0.0.0.0", min_length=1)  # noqa: S104 - see above
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: str = "INFO"
     # Key for the hash that stands in for user ids in logs.
-    log_hash_key: str = "reverie"
+    log_hash_key: str = PUBLIC_LOG_HASH_KEY
 
     # -- the service: Celery worker and beat ----------------------------------------
     dispatch_interval_seconds: float = Field(default=5.0, gt=0)

@@ -21,8 +21,10 @@ app = typer.Typer(
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    """Print ``reverie: error: message`` (one line) and exit with ``code``."""
-    first = " ".join(str(message).split())
+    """Print ``reverie: error: message`` (one line, secrets masked) and exit with ``code``."""
+    from worker.url_secrets import mask_secrets
+
+    first = mask_secrets(" ".join(str(message).split()))
     print(f"reverie: error: {first}", file=sys.stderr)
     raise SystemExit(code)
 

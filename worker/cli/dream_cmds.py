@@ -43,11 +43,14 @@ def run(
     if user and all_users:
         fail("--user and --all exclude each other", code=2)
     from worker.logging_setup import configure_logging
+    from worker.logs import warn_if_public_hash_key
 
     settings = load_settings()
     # Logs go to stderr, so --json output on stdout stays one JSON object.
     configure_logging(settings)
     check_connection(settings)
+    # After the connection check, so a database that is not there is still one line.
+    warn_if_public_hash_key(settings, process="run")
     show_progress = not as_json and sys.stderr.isatty()
     if show_progress:
         from rich.progress import Progress

@@ -1,7 +1,7 @@
 """Cost cap: per-user and per-signal budget lines, and the reservations in flight.
 
 Revision ID: 0004
-Revises: 0001
+Revises: 0002
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql
 from store.types import utcnow
 
 revision = "0004"
-down_revision = "0001"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 
