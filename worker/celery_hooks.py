@@ -100,10 +100,6 @@ def _worker_init(**_: Any) -> None:
     log.info("metrics endpoint serving", port=_server.port, path="/metrics")
 
 
-def _beat_init(**_: Any) -> None:
-    warn_if_public_hash_key(get_settings(), process="beat")
-
-
 def _preload_gateway(settings: Settings) -> None:
     """Load the LLM gateway once in the main process, before the pool forks."""
     from worker import llm
@@ -127,6 +123,7 @@ def _beat_init(sender: Any = None, **_: Any) -> None:
     them all scheduled (spread over the dream interval) within the first ticks."""
     from kombu.exceptions import OperationalError as BrokerError
 
+    warn_if_public_hash_key(get_settings(), process="beat")
     if sender is None:
         return
     try:
@@ -212,7 +209,6 @@ def _task_postrun(task_id: str | None = None, state: str | None = None, **_: Any
 signals.setup_logging.connect(_setup_logging)
 signals.celeryd_init.connect(_celeryd_init)
 signals.worker_init.connect(_worker_init)
-signals.beat_init.connect(_beat_init)
 signals.worker_shutdown.connect(_worker_shutdown)
 signals.beat_init.connect(_beat_init)
 signals.worker_process_init.connect(_worker_process_init)
