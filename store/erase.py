@@ -6,6 +6,8 @@ erasure must not do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sqlalchemy import Table, delete, func, select, text
 from sqlalchemy.orm import Session
 
@@ -14,8 +16,12 @@ from store.models import ActivityEvent, Base, Run, Signal, Spend
 from worker.settings import Settings
 
 
-def erase_user(session: Session, settings: Settings, user_id: str) -> dict[str, int]:
-    """Delete every row about ``user_id``; rows deleted per table.
+def erase_user(
+    session: Session, settings: Settings, user_id: str, *, hold: Callable[[Session], None] = lambda session: None
+) -> dict[str, int]:
+    """Delete every row about ``user_id``; rows deleted per table. ``hold`` runs just
+    before the schedule row goes (it may raise to roll everything back: the erasure's
+    lease was lost meanwhile).
 
     Signals go first: deleting them waits for any worker that holds one locked while
     applying it, so its writes are committed and then erased here, and a worker that
@@ -46,6 +52,7 @@ def erase_user(session: Session, settings: Settings, user_id: str) -> dict[str, 
                 delete(Spend).where(Spend.scope == "run", Spend.scope_key.in_(keys[start : start + 500]))
             )
             counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + int(getattr(result, "rowcount", 0) or 0)
+    hold(session)
     # Children before parents (the archive refers to runs).
     for table in reversed(Base.metadata.sorted_tables):
         if table.name != Signal.__tablename__ and "user_id" in table.c:

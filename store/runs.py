@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
@@ -33,15 +34,22 @@ def start_run(session: Session, user_id: str, *, scope: str = "user", trigger: s
 
 
 def finish_run(
-    session: Session, run_id: int, *, status: str, counts: RunCounts, cost_nano: int, error: str | None = None
+    session: Session,
+    run_id: int,
+    *,
+    status: str,
+    counts: RunCounts,
+    cost_nano: int,
+    error: str | None = None,
+    finished_at: datetime | None = None,
 ) -> None:
-    """Close a ledger row with its outcome."""
+    """Close a ledger row with its outcome (ended now, unless ``finished_at`` says when)."""
     session.execute(
         update(Run)
         .where(Run.id == run_id)
         .values(
             status=status,
-            finished_at=now(),
+            finished_at=finished_at or now(),
             entries_pruned=counts.entries_pruned,
             contradictions_found=counts.contradictions_found,
             contradictions_resolved=counts.contradictions_resolved,
