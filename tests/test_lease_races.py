@@ -207,8 +207,27 @@ class Frozen:
         self.process = context.Process(target=_frozen_run, args=(settings, users, self.entered, self.release))
         self.process.start()
         assert self.entered.wait(WAIT)
-        os.kill(self.process.pid or 0, signal.SIGSTOP)
+        self._freeze_outside_a_transaction(settings)
         leases_expired(settings, users)
+
+    def _freeze_outside_a_transaction(self, settings: Settings) -> None:
+        # Frozen inside a transaction (its lease heartbeat's), the process would hold row
+        # locks that everyone waits for: a different test. Thawed and frozen again then.
+        url = settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+        query = (
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND state <> 'idle'"
+        )
+        deadline = time.monotonic() + WAIT
+        with psycopg.connect(url, autocommit=True) as conn:
+            while True:
+                os.kill(self.process.pid or 0, signal.SIGSTOP)
+                row = conn.execute(query).fetchone()
+                if row and row[0] == 0:
+                    return
+                os.kill(self.process.pid or 0, signal.SIGCONT)
+                assert time.monotonic() < deadline, "the run never left its transaction"
+                time.sleep(0.01)
 
     def wake(self) -> None:
         os.kill(self.process.pid or 0, signal.SIGCONT)
