@@ -14,7 +14,7 @@ from typing import Any
 
 from store import schedule
 from store.db import session_scope
-from store.types import now
+from store.types import db_now
 from tasks.dream import RunOutcome, dream_users
 from worker.settings import Settings
 
@@ -68,7 +68,7 @@ def users_for(settings: Settings, *, users: Sequence[str], all_users: bool) -> l
     with session_scope(settings) as session:
         if all_users:
             return schedule.all_user_ids(session, settings)
-        return schedule.due_user_ids(session, now(), limit=10_000_000, settings=settings)
+        return schedule.due_user_ids(session, db_now(session), limit=10_000_000, settings=settings)
 
 
 def run_once(

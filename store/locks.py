@@ -16,12 +16,12 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from store.models import UserState
-from store.types import now
+from store.types import db_now
 
 
 def acquire(session: Session, user_id: str, token: str, ttl: timedelta) -> bool:
     """Take the user's lease for ``ttl`` unless someone else holds a live one."""
-    at = now()
+    at = db_now(session)
     values = {"user_id": user_id, "next_dream_at": at}
     if session.get_bind().dialect.name == "postgresql":
         session.execute(pg_insert(UserState).values(**values).on_conflict_do_nothing())
@@ -44,7 +44,7 @@ def renew(session: Session, user_id: str, token: str, ttl: timedelta) -> bool:
     kept = session.execute(
         update(UserState)
         .where(UserState.user_id == user_id, UserState.lock_token == token)
-        .values(locked_until=now() + ttl)
+        .values(locked_until=db_now(session) + ttl)
         .returning(UserState.user_id)
     ).first()
     return kept is not None
@@ -70,7 +70,7 @@ def renew_many(
     rows = session.execute(
         update(UserState)
         .where(UserState.user_id.in_(select(mine.cte("mine").c.user_id)), UserState.lock_token == token)
-        .values(locked_until=now() + ttl)
+        .values(locked_until=db_now(session) + ttl)
         .returning(UserState.user_id, UserState.locked_until)
         .execution_options(synchronize_session=False)
     )
@@ -121,7 +121,7 @@ def acquire_many(session: Session, user_ids: Sequence[str], token: str, ttl: tim
     """Take the leases of every free user among ``user_ids`` under one token (PostgreSQL,
     two statements); returns the users leased, in order. Users whose lease is held, or
     whose state row is locked at this moment, are left out."""
-    at = now()
+    at = db_now(session)
     ids = sorted(set(user_ids))
     session.execute(_PG_ENSURE, {"ids": ids, "at": at})
     taken = set(session.scalars(_PG_ACQUIRE_MANY, {"ids": ids, "at": at, "until": at + ttl, "token": token}))

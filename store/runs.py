@@ -10,7 +10,7 @@ from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
 from store.models import Run
-from store.types import now
+from store.types import db_now
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ def start_run(session: Session, user_id: str, *, scope: str = "user", trigger: s
     """A new ``running`` ledger row; returns its id."""
     run_id = session.execute(
         insert(Run)
-        .values(user_id=user_id, scope=scope, trigger=trigger, status="running", started_at=now())
+        .values(user_id=user_id, scope=scope, trigger=trigger, status="running", started_at=db_now(session))
         .returning(Run.id)
     ).scalar_one()
     return int(run_id)
@@ -49,7 +49,7 @@ def finish_run(
         .where(Run.id == run_id)
         .values(
             status=status,
-            finished_at=finished_at or now(),
+            finished_at=finished_at or db_now(session),
             entries_pruned=counts.entries_pruned,
             contradictions_found=counts.contradictions_found,
             contradictions_resolved=counts.contradictions_resolved,
@@ -76,7 +76,7 @@ def start_runs(
     """One new ``running`` ledger row per user (one statement); returns user id -> run id."""
     if not user_ids:
         return {}
-    at = now()
+    at = db_now(session)
     rows = session.execute(
         insert(Run).returning(Run.user_id, Run.id),
         [
@@ -124,7 +124,7 @@ def finish_runs(session: Session, finished: Sequence[Finished]) -> None:
     session.execute(
         _PG_FINISH,
         {
-            "at": now(),
+            "at": db_now(session),
             "ids": [f.run_id for f in finished],
             "statuses": [f.status for f in finished],
             "pruned": [f.counts.entries_pruned for f in finished],

@@ -23,7 +23,7 @@ from store import spend as spend_store
 from store.db import closing_transaction, get_engine, session_scope
 from store.runs import RunCounts
 from store.spend import BudgetLine
-from store.types import nano_to_usd, now, usd_to_nano
+from store.types import db_now, nano_to_usd, usd_to_nano
 from tasks.contradictions import ContradictionCounts, detect, detect_many
 from tasks.leases import LeaseKeeper
 from tasks.prune import prune_user, prune_users
@@ -86,8 +86,9 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
     """
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
-    at = now()
     with session_scope(settings) as session:
+        # The database's clock: the run's start is compared with times other hosts wrote.
+        at = db_now(session)
         if not locks.acquire(session, user_id, token, ttl):
             log.info("dream_skipped_busy", user=user_ref(user_id, settings.log_hash_key))
             return RunOutcome(
@@ -217,7 +218,9 @@ def _finish(
         runs.finish_run(
             session, run_id, status=outcome.status, counts=outcome.counts(), cost_nano=cost_nano, error=outcome.error
         )
-        schedule.mark_dreamed(session, user_id, started, now() + timedelta(hours=settings.dream_interval_hours))
+        schedule.mark_dreamed(
+            session, user_id, started, db_now(session) + timedelta(hours=settings.dream_interval_hours)
+        )
         if outcome.groups_deferred:
             # Work left over (budget, transient errors) is carried to the next pass.
             schedule.mark_dirty(session, user_id)
@@ -299,8 +302,8 @@ def dream_users(
         return [dream_user(settings, user_id, trigger=trigger) for user_id in ids]
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
-    at = now()
     with session_scope(settings) as session:
+        at = db_now(session)
         leased = locks.acquire_many(session, ids, token, ttl)
         policies = book(settings, policy_store.all_configs(session))
         run_ids = runs.start_runs(session, leased, scope="user", trigger=trigger)
@@ -463,7 +466,7 @@ class _Chunk:
             for outcome in outcomes:
                 if outcome.user_id not in held:
                     _close_lost(session, self.keeper, outcome, costs.get(outcome.run_id or 0, 0))
-            next_at = now() + timedelta(hours=self.settings.dream_interval_hours)
+            next_at = db_now(session) + timedelta(hours=self.settings.dream_interval_hours)
             schedule.mark_dreamed_many(session, sorted(held), self.at, next_at)
             for user_id in sorted(({o.user_id for o in outcomes if o.groups_deferred} | set(self.carried)) & held):
                 # Work left over (budget, time, transient errors) is carried to the next pass.

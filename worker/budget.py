@@ -25,7 +25,7 @@ from store import policies as policy_store
 from store import spend as spend_store
 from store.db import session_scope
 from store.spend import BudgetLine, Refused
-from store.types import NANO, now, usd_to_nano
+from store.types import NANO, db_now, now, usd_to_nano
 from worker import metrics
 from worker.errors import BudgetExhausted
 from worker.policy import effective
@@ -96,7 +96,9 @@ def lines_for(settings: Settings, run_id: int | None, agent_id: str | None) -> l
         cap = usd_to_nano(effective(settings, config).maxCostPerRun)
         lines.append(BudgetLine("run", run_key(run_id), usd_to_nano(settings.max_cost_per_run)))
         lines.append(BudgetLine("run", agent_key(run_id, agent_id), cap))
-    lines.append(BudgetLine("day", day_key(), usd_to_nano(settings.max_cost_per_day)))
+    with session_scope(settings) as session:
+        today = day_key(db_now(session))  # the database's calendar, the same on every host
+    lines.append(BudgetLine("day", today, usd_to_nano(settings.max_cost_per_day)))
     return lines
 
 
@@ -157,4 +159,4 @@ def run_spent_nano(settings: Settings, run_id: int) -> int:
 
 def day_spent_nano(settings: Settings, at: datetime | None = None) -> int:
     with session_scope(settings) as session:
-        return spend_store.spent_nano(session, "day", day_key(at))
+        return spend_store.spent_nano(session, "day", day_key(at or db_now(session)))
