@@ -11,13 +11,14 @@ Without ``users`` or ``all_users`` the users due now are dreamed (see
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from store import schedule
 from store.db import session_scope
-from store.types import now
+from store.types import db_now
 from tasks.dream import RunOutcome, dream_users
 from worker.budget import reap_expired
 from worker.settings import Settings
@@ -30,6 +31,8 @@ class PassReport:
 
     users_processed: int = 0
     users_skipped: int = 0
+    #: Users due that the pass left for the next one: its time limit was up.
+    users_deferred: int = 0
     users_failed: int = 0
     entries_pruned: int = 0
     contradictions_found: int = 0
@@ -74,7 +77,7 @@ def users_for(settings: Settings, *, users: Sequence[str], all_users: bool) -> l
     with session_scope(settings) as session:
         if all_users:
             return schedule.all_user_ids(session, settings)
-        return schedule.due_user_ids(session, now(), limit=10_000_000, settings=settings)
+        return schedule.due_user_ids(session, db_now(session), limit=10_000_000, settings=settings)
 
 
 def run_once(
@@ -85,12 +88,17 @@ def run_once(
     on_user: Callable[[int, int], None] | None = None,
 ) -> PassReport:
     """Process pending signals, dream the chosen users, then purge what is past its
-    retention; ``on_user(done, total)`` is called after each user (progress display)."""
+    retention; ``on_user(done, total)`` is called after each user (progress display).
+
+    The pass stops starting model work once ``cron_time_limit_seconds`` have passed
+    since it began: the users of a chunk under way that were not summarized yet are
+    carried to the next pass, and the chunks not started are left due."""
     from tasks.retention import purge_expired
     from tasks.signals import process_pending
 
     report = PassReport()
     reap_expired(settings)
+    deadline = time.monotonic() + settings.cron_time_limit_seconds
     signals = process_pending(settings)
     report.signals_processed = signals.processed
     report.signals_rejected = signals.rejected
@@ -100,7 +108,12 @@ def run_once(
     done = 0
     # In chunks, like the dispatcher's: each chunk's database work is set-based.
     for start in range(0, len(chosen), settings.dispatch_chunk_size):
-        for outcome in dream_users(settings, chosen[start : start + settings.dispatch_chunk_size], trigger="cron"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            report.users_deferred = len(chosen) - start
+            break
+        chunk = chosen[start : start + settings.dispatch_chunk_size]
+        for outcome in dream_users(settings, chunk, trigger="cron", budget_seconds=left):
             report.add(outcome)
             done += 1
             if on_user is not None:

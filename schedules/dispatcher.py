@@ -15,7 +15,6 @@ from datetime import datetime
 
 from store import dispatch as dispatch_store
 from store.db import session_scope
-from store.types import now
 from worker.errors import BrokerUnavailable
 from worker.logs import get_logger
 from worker.settings import Settings
@@ -45,7 +44,7 @@ def claim(settings: Settings, *, at: datetime | None = None) -> list[str]:
     with session_scope(settings) as session:
         return dispatch_store.claim_due_users(
             session,
-            at=at or now(),
+            at=at,
             limit=settings.dispatch_max_users,
             interval_seconds=settings.dream_interval_hours * 3600,
             dirty_delay_seconds=settings.dispatch_dirty_delay_seconds,
@@ -70,7 +69,7 @@ def dispatch(settings: Settings, send: SendChunk, *, at: datetime | None = None)
         sent += len(chunk)
     if unsent:
         with session_scope(settings) as session:
-            dispatch_store.release_users(session, unsent, at=at or now())
+            dispatch_store.release_users(session, unsent, at=at)
     if user_ids:
         log.info("dispatch.tick", claimed=len(user_ids), sent=sent, released=len(unsent))
     return DispatchResult(claimed=len(user_ids), sent=sent, released=len(unsent), chunks=len(chunks))
@@ -79,7 +78,7 @@ def dispatch(settings: Settings, send: SendChunk, *, at: datetime | None = None)
 def adopt(settings: Settings, *, at: datetime | None = None) -> int:
     """Schedule users the memory table has and the schedule does not (due at once)."""
     with session_scope(settings) as session:
-        adopted = dispatch_store.adopt_unseen_users(session, settings, at=at or now())
+        adopted = dispatch_store.adopt_unseen_users(session, settings, at=at)
     if adopted:
         log.info("dispatch.adopted", users=adopted)
     return adopted

@@ -25,7 +25,6 @@ from datetime import datetime
 
 from store import dispatch as dispatch_store
 from store.db import session_scope
-from store.types import now
 from worker.budget import reap_expired
 from worker.logs import get_logger
 from worker.settings import Settings
@@ -38,7 +37,7 @@ NotResent = Callable[[list[int], int], list[int]]
 log = get_logger(__name__)
 
 
-def stranded(settings: Settings, *, at: datetime) -> list[tuple[int, datetime]]:
+def stranded(settings: Settings, *, at: datetime | None = None) -> list[tuple[int, datetime]]:
     """(id, since) of the signals that may need a new wake-up now, oldest first."""
     with session_scope(settings) as session:
         return dispatch_store.stranded_signals(
@@ -49,7 +48,7 @@ def stranded(settings: Settings, *, at: datetime) -> list[tuple[int, datetime]]:
 def sweep(settings: Settings, send: SendWakeups, not_resent: NotResent, *, at: datetime | None = None) -> int:
     """One sweep: returns the number of wake-ups sent."""
     reap_expired(settings)
-    rows = stranded(settings, at=at or now())
+    rows = stranded(settings, at=at)
     if not rows:
         return 0
     due = not_resent([signal_id for signal_id, _since in rows], settings.signal_lease_seconds)

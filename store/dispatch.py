@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from store.memories import table_for
 from store.models import Signal, UserState
+from store.types import db_now
 from worker.settings import Settings
 
 EPOCH = datetime(1970, 1, 1)
@@ -79,14 +80,16 @@ def next_slot(user_id: str, after: datetime, interval_seconds: float) -> datetim
 def claim_due_users(
     session: Session,
     *,
-    at: datetime,
+    at: datetime | None = None,
     limit: int,
     interval_seconds: float,
     dirty_delay_seconds: float,
     lease_seconds: float,
 ) -> list[str]:
     """Claim up to ``limit`` due users: advance each to their next slot, stamp the
-    dispatch, and return their ids (in no particular order). Commit before sending."""
+    dispatch, and return their ids (in no particular order). Commit before sending.
+    ``at`` defaults to the database's clock, which stamped ``dirty_since`` too."""
+    at = at or db_now(session)
     dirty_cutoff = at - timedelta(seconds=dirty_delay_seconds)
     lease_cutoff = at - timedelta(seconds=lease_seconds)
     if session.get_bind().dialect.name == "postgresql":
@@ -146,9 +149,11 @@ def _claim_portable(
     return claimed
 
 
-def release_users(session: Session, user_ids: list[str], *, at: datetime) -> None:
-    """Undo a claim whose runs could not be sent: the users are due again at ``at``."""
+def release_users(session: Session, user_ids: list[str], *, at: datetime | None = None) -> None:
+    """Undo a claim whose runs could not be sent: the users are due again at ``at``
+    (default: now, on the database's clock)."""
     if user_ids:
+        at = at or db_now(session)
         session.execute(
             update(UserState).where(UserState.user_id.in_(user_ids)).values(next_dream_at=at, dispatched_at=None)
         )
@@ -175,18 +180,20 @@ RETURNING user_id
 """
 
 
-def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime) -> int:
+def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime | None = None) -> int:
     """Give every user of the memory table without a schedule row one, and return how
     many were adopted.
 
     On PostgreSQL each new user is due at their own phase within the next dream
-    interval (the first slot at or after ``at``), so adopting a large existing
+    interval (the first slot at or after ``at``, default now on the database's
+    clock), so adopting a large existing
     population spreads its first runs evenly instead of making everyone due at once;
     the scan reads each distinct user once through the memory table's user_id index.
     On SQLite (the demo) new users are due at ``at``. Runs at beat's start, after
     ``reverie migrate``, and hourly.
     """
     memories = table_for(settings)
+    at = at or db_now(session)
     dialect = session.get_bind().dialect
     if dialect.name == "postgresql":
         interval = settings.dream_interval_hours * 3600
@@ -208,10 +215,14 @@ def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime) ->
     return len(session.execute(statement).all())
 
 
-def stranded_signals(session: Session, *, at: datetime, grace_seconds: float, limit: int) -> list[tuple[int, datetime]]:
+def stranded_signals(
+    session: Session, *, at: datetime | None = None, grace_seconds: float, limit: int
+) -> list[tuple[int, datetime]]:
     """(id, since) of signals that should be moving and may have no wake-up in the
     broker, oldest first: ready (``pending``, or ``failed`` and past its backoff) since
-    longer than the grace, or ``processing`` with a lease that expired (the worker died)."""
+    longer than the grace, or ``processing`` with a lease that expired (the worker died).
+    ``at`` defaults to the database's clock, which stamped ``available_at`` too."""
+    at = at or db_now(session)
     ready = (
         select(Signal.id, Signal.available_at.label("since"))
         .where(Signal.status.in_(("pending", "failed")), Signal.available_at <= at - timedelta(seconds=grace_seconds))

@@ -6,17 +6,24 @@ erasure must not do.
 
 from __future__ import annotations
 
-from sqlalchemy import Table, delete, func, select, text
+from collections.abc import Callable
+
+from sqlalchemy import Table, delete, func, select
 from sqlalchemy.orm import Session
 
+from store import activity as activity_store
 from store.memories import table_for
-from store.models import ActivityEvent, Base, Run, Signal, Spend
+from store.models import Base, Run, Signal, Spend
 from store.spend import delete_user_lines
 from worker.settings import Settings
 
 
-def erase_user(session: Session, settings: Settings, user_id: str) -> dict[str, int]:
-    """Delete every row about ``user_id``; rows deleted per table.
+def erase_user(
+    session: Session, settings: Settings, user_id: str, *, hold: Callable[[Session], None] = lambda session: None
+) -> dict[str, int]:
+    """Delete every row about ``user_id``; rows deleted per table. ``hold`` runs just
+    before the schedule row goes (it may raise to roll everything back: the erasure's
+    lease was lost meanwhile).
 
     Signals go first: deleting them waits for any worker that holds one locked while
     applying it, so its writes are committed and then erased here, and a worker that
@@ -25,13 +32,12 @@ def erase_user(session: Session, settings: Settings, user_id: str) -> dict[str, 
     """
     counts: dict[str, int] = {}
     counts[Signal.__tablename__] = _delete(session, Signal.__table__, user_id)  # type: ignore[arg-type]
-    if session.get_bind().dialect.name == "postgresql":
-        # Routine detection writes memories from activity rows in a transaction that
-        # starts with a DELETE on dream_activity: this lock waits for one in progress
-        # (so its writes are committed, then erased below) and holds off the next until
-        # this one commits (it then finds the user's activity gone). Taken after the
-        # signals, whose row locks an activity signal's apply holds before it inserts.
-        session.execute(text(f"LOCK TABLE {ActivityEvent.__tablename__} IN SHARE MODE"))
+    # Routine detection writes memories from activity rows it read earlier: this waits
+    # for a detection writing this user's (its writes committed, then erased below) and
+    # holds off the next until this commits (it then finds the events it read gone).
+    # Only this user's: producers' inserts of activity do not wait. Taken after the
+    # signals, whose row locks an activity signal's apply holds before it inserts.
+    activity_store.lock_for_erasure(session, user_id)
     memory = table_for(settings)
     counts[memory.name] = _delete(session, memory, user_id)
     run_ids = {str(i) for i in session.scalars(select(Run.id).where(Run.user_id == user_id))}
@@ -50,6 +56,7 @@ def erase_user(session: Session, settings: Settings, user_id: str) -> dict[str, 
     lines = delete_user_lines(session, user_id)
     if lines:
         counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + lines
+    hold(session)
     # Children before parents (the archive refers to runs).
     for table in reversed(Base.metadata.sorted_tables):
         if table.name != Signal.__tablename__ and "user_id" in table.c:

@@ -8,20 +8,20 @@ Plain SQL, so it works the same on PostgreSQL and on the demo's SQLite.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 
-from sqlalchemy import or_, text, update
+from sqlalchemy import or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from store.models import UserState
-from store.types import now
+from store.types import db_now
 
 
 def acquire(session: Session, user_id: str, token: str, ttl: timedelta) -> bool:
     """Take the user's lease for ``ttl`` unless someone else holds a live one."""
-    at = now()
+    at = db_now(session)
     values = {"user_id": user_id, "next_dream_at": at}
     if session.get_bind().dialect.name == "postgresql":
         session.execute(pg_insert(UserState).values(**values).on_conflict_do_nothing())
@@ -44,10 +44,45 @@ def renew(session: Session, user_id: str, token: str, ttl: timedelta) -> bool:
     kept = session.execute(
         update(UserState)
         .where(UserState.user_id == user_id, UserState.lock_token == token)
-        .values(locked_until=now() + ttl)
+        .values(locked_until=db_now(session) + ttl)
         .returning(UserState.user_id)
     ).first()
     return kept is not None
+
+
+def renew_many(
+    session: Session, user_ids: Sequence[str], token: str, ttl: timedelta, *, skip_locked: bool = False
+) -> dict[str, datetime]:
+    """Extend the leases of ``user_ids`` still held under ``token``; returns user -> new
+    lease end. The rows are locked in user order (two renewals never deadlock), until
+    the transaction ends: no one takes those leases meanwhile. Without ``skip_locked`` a
+    user left out has lost the lease; with it, rows another transaction holds right now
+    are left out too (see :func:`holders`)."""
+    if not user_ids:
+        return {}
+    mine = (
+        select(UserState.user_id)
+        .where(UserState.user_id.in_(sorted(user_ids)), UserState.lock_token == token)
+        .order_by(UserState.user_id)
+    )
+    if session.get_bind().dialect.name == "postgresql":
+        mine = mine.with_for_update(skip_locked=skip_locked)
+    rows = session.execute(
+        update(UserState)
+        .where(UserState.user_id.in_(select(mine.cte("mine").c.user_id)), UserState.lock_token == token)
+        .values(locked_until=db_now(session) + ttl)
+        .returning(UserState.user_id, UserState.locked_until)
+        .execution_options(synchronize_session=False)
+    )
+    return {row.user_id: row.locked_until for row in rows}
+
+
+def holders(session: Session, user_ids: Sequence[str], token: str) -> set[str]:
+    """Which of ``user_ids`` still have their lease under ``token`` (a plain read)."""
+    if not user_ids:
+        return set()
+    query = select(UserState.user_id).where(UserState.user_id.in_(sorted(user_ids)), UserState.lock_token == token)
+    return set(session.scalars(query))
 
 
 def release(session: Session, user_id: str, token: str) -> None:
@@ -86,7 +121,7 @@ def acquire_many(session: Session, user_ids: Sequence[str], token: str, ttl: tim
     """Take the leases of every free user among ``user_ids`` under one token (PostgreSQL,
     two statements); returns the users leased, in order. Users whose lease is held, or
     whose state row is locked at this moment, are left out."""
-    at = now()
+    at = db_now(session)
     ids = sorted(set(user_ids))
     session.execute(_PG_ENSURE, {"ids": ids, "at": at})
     taken = set(session.scalars(_PG_ACQUIRE_MANY, {"ids": ids, "at": at, "until": at + ttl, "token": token}))

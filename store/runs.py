@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
 from store.models import Run
-from store.types import now
+from store.types import db_now
 
 
 @dataclass(frozen=True)
@@ -26,22 +27,29 @@ def start_run(session: Session, user_id: str, *, scope: str = "user", trigger: s
     """A new ``running`` ledger row; returns its id."""
     run_id = session.execute(
         insert(Run)
-        .values(user_id=user_id, scope=scope, trigger=trigger, status="running", started_at=now())
+        .values(user_id=user_id, scope=scope, trigger=trigger, status="running", started_at=db_now(session))
         .returning(Run.id)
     ).scalar_one()
     return int(run_id)
 
 
 def finish_run(
-    session: Session, run_id: int, *, status: str, counts: RunCounts, cost_nano: int, error: str | None = None
+    session: Session,
+    run_id: int,
+    *,
+    status: str,
+    counts: RunCounts,
+    cost_nano: int,
+    error: str | None = None,
+    finished_at: datetime | None = None,
 ) -> None:
-    """Close a ledger row with its outcome."""
+    """Close a ledger row with its outcome (ended now, unless ``finished_at`` says when)."""
     session.execute(
         update(Run)
         .where(Run.id == run_id)
         .values(
             status=status,
-            finished_at=now(),
+            finished_at=finished_at or db_now(session),
             entries_pruned=counts.entries_pruned,
             contradictions_found=counts.contradictions_found,
             contradictions_resolved=counts.contradictions_resolved,
@@ -68,7 +76,7 @@ def start_runs(
     """One new ``running`` ledger row per user (one statement); returns user id -> run id."""
     if not user_ids:
         return {}
-    at = now()
+    at = db_now(session)
     rows = session.execute(
         insert(Run).returning(Run.user_id, Run.id),
         [
@@ -116,7 +124,7 @@ def finish_runs(session: Session, finished: Sequence[Finished]) -> None:
     session.execute(
         _PG_FINISH,
         {
-            "at": now(),
+            "at": db_now(session),
             "ids": [f.run_id for f in finished],
             "statuses": [f.status for f in finished],
             "pruned": [f.counts.entries_pruned for f in finished],

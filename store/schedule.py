@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from store.memories import table_for
 from store.models import UserState
-from store.types import now
+from store.types import db_now
 from worker.settings import Settings
 
 
@@ -34,7 +34,7 @@ def _upsert(session: Session, values: dict[str, Any], set_: dict[str, Any], wher
 
 def mark_dirty(session: Session, user_id: str, at: datetime | None = None) -> None:
     """Note that ``user_id`` changed; keeps the earliest ``dirty_since`` already set."""
-    when = at or now()
+    when = at or db_now(session)
     _upsert(
         session,
         {"user_id": user_id, "dirty_since": when, "next_dream_at": when},

@@ -15,7 +15,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased, defer
 
 from store.models import Signal
-from store.types import now
+from store.types import db_now
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def retry_signals(session: Session, *, signal_id: int | None = None, all_dead: b
     """Put dead (or failed) signals back to ``pending`` with fresh attempts."""
     statement = (
         update(Signal)
-        .values(status="pending", attempts=0, available_at=now(), claimed_until=None, claim_token=None)
+        .values(status="pending", attempts=0, available_at=db_now(session), claimed_until=None, claim_token=None)
         .returning(Signal.id)
     )
     if signal_id is not None:
@@ -186,7 +186,7 @@ def claim_signals(
     ``signal_id`` and ``also_kinds``, that signal is claimed first if it can be and the
     rest of ``limit`` is filled with the oldest claimable signals of those kinds.
     """
-    at = now()
+    at = db_now(session)
     token = str(uuid.uuid4())
     candidates = select(Signal.id).where(_claimable(at)).limit(limit)
     if signal_id is not None and also_kinds:
@@ -259,7 +259,7 @@ def bury_exhausted(session: Session, *, max_attempts: int, signal_id: int | None
 
     Returns (id, kind) of each row buried, for the metrics.
     """
-    at = now()
+    at = db_now(session)
     statement = (
         update(Signal)
         .where(Signal.status == "processing", Signal.claimed_until < at, Signal.attempts >= max_attempts)
@@ -312,13 +312,17 @@ def finish_signal(
     error: str | None = None,
     available_at: datetime | None = None,
     refund_attempt: bool = False,
+    retry_after: timedelta | None = None,
 ) -> datetime | None:
     """Record an outcome if our claim still holds; returns the time recorded, or None.
 
     ``done`` sets ``processed_at``; ``failed`` makes the signal claimable again at
-    ``available_at``; ``refund_attempt`` gives back the attempt the claim took.
+    ``available_at``, or ``retry_after`` from now on the database's clock (which claims
+    compare it with); ``refund_attempt`` gives back the attempt the claim took.
     """
-    at = now()
+    at = db_now(session)
+    if retry_after is not None:
+        available_at = at + retry_after
     values: dict[str, Any] = {"status": status, "last_error": error, "claim_token": None, "claimed_until": None}
     if status in ("done", "rejected"):
         values["processed_at"] = at
@@ -340,7 +344,7 @@ def finish_signals(session: Session, claims: Sequence[tuple[int, str]], *, statu
     """:func:`finish_signal` for many (id, claim token) pairs in one statement, ``done``
     or ``rejected``; returns the ids whose claim still held, and the time recorded."""
     assert status in ("done", "rejected")
-    at = now()
+    at = db_now(session)
     statement = (
         update(Signal)
         .where(

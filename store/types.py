@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import JSON, BigInteger, Integer
+from sqlalchemy import JSON, BigInteger, Integer, select
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 from sqlalchemy.types import DateTime
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 #: JSONB on PostgreSQL, JSON text on SQLite.
 JsonType = JSON().with_variant(JSONB(), "postgresql")
@@ -43,6 +46,15 @@ def _utcnow_sqlite(element: Any, compiler: Any, **kw: Any) -> str:
 def now() -> datetime:
     """The current time as a naive UTC datetime (the memory table's convention)."""
     return datetime.now(UTC).replace(tzinfo=None)
+
+
+def db_now(session: Session) -> datetime:
+    """The database's current time, naive UTC: the one clock every host shares. For
+    any time compared with one another host wrote, or a column default wrote (leases,
+    claims, due times, day keys). SQLite is embedded, so its clock is this host's."""
+    if session.get_bind().dialect.name != "postgresql":
+        return now()
+    return session.execute(select(utcnow())).scalar_one()
 
 
 def usd_to_nano(usd: float) -> int:

@@ -101,10 +101,19 @@ def find_routines(session: Session, settings: Settings, at: datetime) -> Counter
     events = activity_store.events_since(session, since)
     groups = itertools.groupby(events, key=lambda e: (e[0], e[1], e[2]))
     found: list[tuple[str, str, Routine]] = []
+    # One event read per user: still there when the user is written, unless erased since.
+    read: dict[str, int] = {}
     for (user_id, agent_id, action), rows in groups:
-        times = [row[3] for row in rows if row[3] <= at]
+        listed = list(rows)
+        read.setdefault(user_id, listed[0][4])
+        times = [row[3] for row in listed if row[3] <= at]
         found.extend((user_id, agent_id, routine) for routine in routines_for(action, times, settings))
+    writable: dict[str, bool] = {}
     for user_id, agent_id, routine in found:
+        if user_id not in writable:
+            writable[user_id] = activity_store.hold_for_routines(session, user_id, read[user_id])
+        if not writable[user_id]:
+            continue
         result = upsert_entry(
             session,
             table,

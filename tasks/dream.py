@@ -23,12 +23,13 @@ from store import spend as spend_store
 from store.db import closing_transaction, get_engine, session_scope
 from store.runs import RunCounts
 from store.spend import BudgetLine
-from store.types import nano_to_usd, now, usd_to_nano
-from tasks.contradictions import detect, detect_many
+from store.types import db_now, nano_to_usd, usd_to_nano
+from tasks.contradictions import ContradictionCounts, detect, detect_many
+from tasks.leases import LeaseKeeper
 from tasks.prune import prune_user, prune_users
 from tasks.summarize import SummaryCounts, summarize_user
 from worker import budget, metrics
-from worker.errors import DatabaseUnavailable, PermanentError, TransientError, UserBusy
+from worker.errors import DatabaseUnavailable, LeaseLost, PermanentError, TransientError, UserBusy
 from worker.logs import get_logger, user_ref
 from worker.policy import PolicyBook, book
 from worker.settings import Settings
@@ -85,8 +86,9 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
     """
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
-    at = now()
     with session_scope(settings) as session:
+        # The database's clock: the run's start is compared with times other hosts wrote.
+        at = db_now(session)
         if not locks.acquire(session, user_id, token, ttl):
             log.info("dream_skipped_busy", user=user_ref(user_id, settings.log_hash_key))
             return RunOutcome(
@@ -99,7 +101,8 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
     started = time.monotonic()
     outcome = RunOutcome(user_id=user_id, status="running", run_id=run_id)
     try:
-        _run(settings, user_id, token=token, ttl=ttl, at=at, policies=policies, agent_id=agent_id, outcome=outcome)
+        with LeaseKeeper(settings, token, ttl, [user_id]) as keeper:
+            _run(settings, user_id, keeper=keeper, at=at, policies=policies, agent_id=agent_id, outcome=outcome)
     finally:
         closing_transaction(settings, lambda session: locks.release(session, user_id, token))
         metrics.DURATION.observe(time.monotonic() - started)
@@ -110,8 +113,7 @@ def _run(
     settings: Settings,
     user_id: str,
     *,
-    token: str,
-    ttl: timedelta,
+    keeper: LeaseKeeper,
     at: datetime,
     policies: PolicyBook,
     agent_id: str | None,
@@ -121,28 +123,31 @@ def _run(
     assert run_id is not None
     owners = _owners(policies, agent_id)
     try:
-        _prune_and_detect(settings, user_id, policies=policies, owners=owners, at=at, outcome=outcome)
-        _summarize(settings, user_id, token=token, ttl=ttl, policies=policies, owners=owners, outcome=outcome)
+        _prune_and_detect(settings, user_id, keeper=keeper, policies=policies, owners=owners, at=at, outcome=outcome)
+        _summarize(settings, user_id, keeper=keeper, policies=policies, owners=owners, outcome=outcome)
         outcome.status = "succeeded"
-    except PermanentError as exc:
+    except (PermanentError, LeaseLost) as exc:
         outcome.status = "failed"
         outcome.error = str(exc)
     except Exception as exc:
         _fail(outcome, exc)
-        _finish(settings, user_id, run_id, at, outcome)
+        _finish(settings, user_id, run_id, at, outcome, keeper=keeper)
         raise
-    _finish(settings, user_id, run_id, at, outcome)
+    _finish(settings, user_id, run_id, at, outcome, keeper=keeper)
 
 
 def _fail(outcome: RunOutcome, exc: Exception) -> None:
     outcome.status = "failed"
-    outcome.error = str(exc) if isinstance(exc, PermanentError) else f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+    outcome.error = (
+        str(exc) if isinstance(exc, PermanentError | LeaseLost) else f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+    )
 
 
 def _prune_and_detect(
     settings: Settings,
     user_id: str,
     *,
+    keeper: LeaseKeeper,
     policies: PolicyBook,
     owners: Collection[str] | None,
     at: datetime,
@@ -154,6 +159,8 @@ def _prune_and_detect(
     with session_scope(settings) as session:
         pruned = prune_user(session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id)
         found = detect(session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id)
+        # Last, so the lease's row is locked only for the commit: a lost lease rolls it all back.
+        keeper.hold(session, user_id)
     outcome.entries_pruned = pruned
     outcome.contradictions_found = found.found
     outcome.contradictions_resolved = found.resolved
@@ -167,8 +174,7 @@ def _summarize(
     settings: Settings,
     user_id: str,
     *,
-    token: str,
-    ttl: timedelta,
+    keeper: LeaseKeeper,
     policies: PolicyBook,
     owners: Collection[str] | None,
     outcome: RunOutcome,
@@ -177,13 +183,14 @@ def _summarize(
     if not _summarizes(policies):
         return
     assert outcome.run_id is not None
-
-    def keep_alive() -> None:
-        with session_scope(settings) as s:
-            locks.renew(s, user_id, token, ttl)
-
     summary: SummaryCounts = summarize_user(
-        settings, user_id, book=policies, owners=owners, run_id=outcome.run_id, keep_alive=keep_alive
+        settings,
+        user_id,
+        book=policies,
+        owners=owners,
+        run_id=outcome.run_id,
+        keep_alive=lambda: keeper.check(user_id),
+        hold=lambda session: keeper.hold(session, user_id),
     )
     outcome.entries_summarized = summary.summarized
     outcome.entries_written = summary.written
@@ -197,14 +204,23 @@ def _owners(policies: PolicyBook, agent_id: str | None) -> Collection[str] | Non
     return (agent_id,)
 
 
-def _finish(settings: Settings, user_id: str, run_id: int, started: datetime, outcome: RunOutcome) -> None:
+def _finish(
+    settings: Settings, user_id: str, run_id: int, started: datetime, outcome: RunOutcome, *, keeper: LeaseKeeper
+) -> None:
+    keeper.stop()
+
     def close(session: Session) -> None:
         cost_nano = spend_store.spent_nano(session, "run", budget.run_key(run_id))
         outcome.cost_usd = nano_to_usd(cost_nano)
+        if not keeper.hold_many(session, [user_id]):
+            _close_lost(session, keeper, outcome, cost_nano)
+            return
         runs.finish_run(
             session, run_id, status=outcome.status, counts=outcome.counts(), cost_nano=cost_nano, error=outcome.error
         )
-        schedule.mark_dreamed(session, user_id, started, now() + timedelta(hours=settings.dream_interval_hours))
+        schedule.mark_dreamed(
+            session, user_id, started, db_now(session) + timedelta(hours=settings.dream_interval_hours)
+        )
         if outcome.groups_deferred:
             # Work left over (budget, transient errors) is carried to the next pass.
             schedule.mark_dirty(session, user_id)
@@ -212,6 +228,23 @@ def _finish(settings: Settings, user_id: str, run_id: int, started: datetime, ou
     # Retried on a lost connection: a run must not stay "running" because one died.
     closing_transaction(settings, close)
     _report(settings, outcome)
+
+
+def _close_lost(session: Session, keeper: LeaseKeeper, outcome: RunOutcome, cost_nano: int) -> None:
+    """Close the ledger row of a run whose lease was lost, and write nothing else: the
+    user was erased (then there is no row to close) or another run holds them now. The
+    run is over since its lease ran out, so it ends then, before any later run began."""
+    assert outcome.run_id is not None
+    _fail(outcome, LeaseLost(user_ref(outcome.user_id, keeper.settings.log_hash_key)))
+    runs.finish_run(
+        session,
+        outcome.run_id,
+        status=outcome.status,
+        counts=outcome.counts(),
+        cost_nano=cost_nano,
+        error=outcome.error,
+        finished_at=keeper.ended_at(outcome.user_id),
+    )
 
 
 def _report(settings: Settings, outcome: RunOutcome) -> None:
@@ -269,20 +302,22 @@ def dream_users(
         return [dream_user(settings, user_id, trigger=trigger) for user_id in ids]
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
-    at = now()
     with session_scope(settings) as session:
+        at = db_now(session)
         leased = locks.acquire_many(session, ids, token, ttl)
         policies = book(settings, policy_store.all_configs(session))
         run_ids = runs.start_runs(session, leased, scope="user", trigger=trigger)
         if _summarizes(policies):
             spend_store.ensure_lines(session, [_budget_line(policies, run_id) for run_id in run_ids.values()])
-    chunk = _Chunk(settings, token, ttl, at, policies, {u: RunOutcome(u, "running", run_id=run_ids[u]) for u in leased})
     started = time.monotonic()
-    try:
-        chunk.prune_and_detect()
-        chunk.summarize(interrupts, budget_seconds)
-    finally:
-        chunk.finish(time.monotonic() - started)
+    # Every lease of the chunk is renewed while any of its users is worked on.
+    with LeaseKeeper(settings, token, ttl, leased) as keeper:
+        chunk = _Chunk(settings, keeper, at, policies, {u: RunOutcome(u, "running", run_id=run_ids[u]) for u in leased})
+        try:
+            chunk.prune_and_detect()
+            chunk.summarize(interrupts, budget_seconds)
+        finally:
+            chunk.finish(time.monotonic() - started)
     # A user left out was busy or had their schedule row locked at that instant: the
     # one-user path waits for the row and then runs, or says skipped.
     done = chunk.outcomes
@@ -294,8 +329,7 @@ class _Chunk:
     """The shared state of one chunk's runs (see :func:`dream_users`)."""
 
     settings: Settings
-    token: str
-    ttl: timedelta
+    keeper: LeaseKeeper
     at: datetime
     policies: PolicyBook
     outcomes: dict[str, RunOutcome]
@@ -307,9 +341,7 @@ class _Chunk:
     def prune_and_detect(self) -> None:
         run_ids = self.run_ids()
         try:
-            with session_scope(self.settings) as session:
-                pruned = prune_users(session, self.settings, run_ids, book=self.policies, at=self.at)
-                found = detect_many(session, self.settings, run_ids, book=self.policies, at=self.at)
+            pruned, found = self._prune_held(run_ids)
         except (TransientError, DatabaseUnavailable):
             for outcome in self.outcomes.values():
                 _fail(outcome, TransientError("the database went away during the chunk"))
@@ -320,18 +352,43 @@ class _Chunk:
             self._one_by_one()
             return
         for user_id, outcome in self.outcomes.items():
+            if user_id not in pruned:
+                _fail(outcome, LeaseLost(user_ref(user_id, self.settings.log_hash_key)))
+                continue
             outcome.entries_pruned = pruned[user_id]
             outcome.contradictions_found = found[user_id].found
             outcome.contradictions_resolved = found[user_id].resolved
+
+    def _prune_held(self, run_ids: dict[str, int]) -> tuple[dict[str, int], dict[str, ContradictionCounts]]:
+        """Prune and detect for the users whose lease still holds, in one transaction; a
+        lease found lost at its end rolls it back, and it is done again without that user."""
+        while True:
+            with session_scope(self.settings) as session:
+                pruned = prune_users(session, self.settings, run_ids, book=self.policies, at=self.at)
+                found = detect_many(session, self.settings, run_ids, book=self.policies, at=self.at)
+                # Last, so the leases' rows are locked only for the commit.
+                held = self.keeper.hold_many(session, sorted(run_ids))
+                if len(held) == len(run_ids):
+                    return pruned, found
+                session.rollback()
+            run_ids = {u: r for u, r in run_ids.items() if u in held}
 
     def _one_by_one(self) -> None:
         for user_id, outcome in self.outcomes.items():
             try:
                 _prune_and_detect(
-                    self.settings, user_id, policies=self.policies, owners=None, at=self.at, outcome=outcome
+                    self.settings,
+                    user_id,
+                    keeper=self.keeper,
+                    policies=self.policies,
+                    owners=None,
+                    at=self.at,
+                    outcome=outcome,
                 )
             except (TransientError, DatabaseUnavailable):
                 raise
+            except LeaseLost as exc:
+                _fail(outcome, exc)
             except Exception as exc:
                 # Named by type only: a driver's message can quote the row it failed on.
                 log.error("dream.user_failed", user=user_ref(user_id), error_type=type(exc).__name__)
@@ -345,16 +402,19 @@ class _Chunk:
                 self._carry(pending[index:])
                 return
             try:
+                self.keeper.check(outcome.user_id)
                 _summarize(
                     self.settings,
                     outcome.user_id,
-                    token=self.token,
-                    ttl=self.ttl,
+                    keeper=self.keeper,
                     policies=self.policies,
                     owners=None,
                     outcome=outcome,
                 )
                 outcome.status = "succeeded"
+            except LeaseLost as exc:
+                # Erased, or taken over by another run: that user's work stops here.
+                _fail(outcome, exc)
             except interrupts as exc:
                 # The soft time limit: stop here, close the runs, and let the task end.
                 _fail(outcome, TransientError(f"interrupted: {type(exc).__name__}"))
@@ -384,7 +444,11 @@ class _Chunk:
                 outcome.status = "failed"
                 outcome.error = outcome.error or "the chunk stopped before this run finished"
 
+        self.keeper.stop()
+
         def close(session: Session) -> None:
+            # Only users whose lease still holds get anything written (see _close_lost).
+            held = set(self.keeper.hold_many(session, sorted(self.outcomes)))
             costs: dict[int, int] = {}
             for outcome in outcomes:
                 if outcome.run_id is not None and _summarizes(self.policies):
@@ -396,15 +460,18 @@ class _Chunk:
                 [
                     runs.Finished(o.run_id, o.status, o.counts(), costs.get(o.run_id, 0), o.error)
                     for o in outcomes
-                    if o.run_id is not None
+                    if o.run_id is not None and o.user_id in held
                 ],
             )
-            next_at = now() + timedelta(hours=self.settings.dream_interval_hours)
-            schedule.mark_dreamed_many(session, sorted(self.outcomes), self.at, next_at)
-            for user_id in sorted({o.user_id for o in outcomes if o.groups_deferred} | set(self.carried)):
+            for outcome in outcomes:
+                if outcome.user_id not in held:
+                    _close_lost(session, self.keeper, outcome, costs.get(outcome.run_id or 0, 0))
+            next_at = db_now(session) + timedelta(hours=self.settings.dream_interval_hours)
+            schedule.mark_dreamed_many(session, sorted(held), self.at, next_at)
+            for user_id in sorted(({o.user_id for o in outcomes if o.groups_deferred} | set(self.carried)) & held):
                 # Work left over (budget, time, transient errors) is carried to the next pass.
                 schedule.mark_dirty(session, user_id)
-            locks.release_many(session, sorted(self.outcomes), self.token)
+            locks.release_many(session, sorted(held), self.keeper.token)
 
         # Retried on a lost connection: the runs must not stay "running", nor the
         # leases held, because one connection died.

@@ -10,15 +10,16 @@ from store import erase as erase_store
 from store import locks
 from store.db import session_scope
 from store.models import UserState
-from worker.errors import UserBusy
+from tasks.leases import LeaseKeeper
+from worker.errors import LeaseLost, UserBusy
 from worker.logs import get_logger, user_ref
 from worker.payloads import check_identifier
 from worker.settings import Settings
 
 log = get_logger(__name__)
 
-#: How long the erasure's own lease lasts: only the gap between taking it and the
-#: erasing transaction, which removes it with the rest of the user's schedule row.
+#: How long the erasure's own lease lasts between renewals: it is renewed while the
+#: erasing transaction waits, which removes it with the rest of the user's schedule row.
 ERASE_LEASE = timedelta(minutes=5)
 POLL_SECONDS = 0.1
 
@@ -39,24 +40,41 @@ def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None =
     ``InvalidSignal`` for an empty or malformed user id.
     """
     check_identifier("user_id", user_id, required=True)
-    had_schedule = _take_lease(settings, user_id, wait_seconds)
-    with session_scope(settings) as session:
-        counts = erase_store.erase_user(session, settings, user_id)
-    if not had_schedule and counts.get(UserState.__tablename__):
+    deadline = time.monotonic() + (lease_wait(settings) if wait_seconds is None else wait_seconds)
+    first_had_schedule: bool | None = None
+    while True:
+        token, had_schedule = _take_lease(settings, user_id, deadline)
+        # A second try finds the row its first lease made: not the user's data either.
+        first_had_schedule = had_schedule if first_had_schedule is None else first_had_schedule
+        # Renewed while the erasing transaction waits for the user's rows: a dream run
+        # must not take the user over meanwhile. Re-taken in that transaction, so an
+        # erasure whose lease ran out anyway (a frozen process) is rolled back and tried again.
+        try:
+            with LeaseKeeper(settings, token, ERASE_LEASE, [user_id]) as keeper, session_scope(settings) as session:
+                counts = erase_store.erase_user(session, settings, user_id, hold=lambda s: keeper.hold(s, user_id))
+        except LeaseLost:
+            log.info("erase_lease_lost", user=user_ref(user_id, settings.log_hash_key))
+            continue
+        break
+    if not first_had_schedule and counts.get(UserState.__tablename__):
         counts[UserState.__tablename__] -= 1  # the row the lease itself made: not the user's data
     log.info("user_erased", user=user_ref(user_id, settings.log_hash_key), rows=sum(counts.values()))
     return counts
 
 
-def _take_lease(settings: Settings, user_id: str, wait_seconds: float | None) -> bool:
-    """Take the user's dream lease, waiting for a run that holds it; whether the user
-    had a schedule row before (taking the lease makes one)."""
-    if wait_seconds is None:
-        from tasks.dream import lease_ttl
+def lease_wait(settings: Settings) -> float:
+    """How long an erasure waits for a dream run by default: a crashed run's lease has
+    expired by then."""
+    from tasks.dream import lease_ttl
 
-        wait_seconds = lease_ttl(settings).total_seconds()
+    return lease_ttl(settings).total_seconds()
+
+
+def _take_lease(settings: Settings, user_id: str, deadline: float) -> tuple[str, bool]:
+    """Take the user's dream lease, waiting until ``deadline`` for a run that holds it;
+    the lease's token, and whether the user had a schedule row before (taking the lease
+    makes one)."""
     token = str(uuid.uuid4())
-    deadline = time.monotonic() + wait_seconds
     logged = False
     had_schedule: bool | None = None
     while True:
@@ -64,7 +82,7 @@ def _take_lease(settings: Settings, user_id: str, wait_seconds: float | None) ->
             if had_schedule is None:
                 had_schedule = session.get(UserState, user_id) is not None
             if locks.acquire(session, user_id, token, ERASE_LEASE):
-                return had_schedule
+                return token, had_schedule
         if time.monotonic() >= deadline:
             raise UserBusy(user_ref(user_id, settings.log_hash_key))
         if not logged:

@@ -34,7 +34,6 @@ from store import schedule
 from store import signals as signal_store
 from store.db import get_engine, session_scope, translate_errors
 from store.signals import Claimed
-from store.types import now
 from tasks import activity, feedback, session_end
 from tasks.decisions import Decision, Effect, SignalInput
 from worker import budget, metrics
@@ -420,10 +419,11 @@ def _finish(
     if status == "skipped":
         return result
     available_at = wait_until
+    retry_after = None
     if status == "failed" and available_at is None:
         attempt = 1 if refund else claim.attempts
         delay = min(settings.signal_backoff_seconds * 2 ** (attempt - 1), MAX_BACKOFF_SECONDS)
-        available_at = now() + timedelta(seconds=delay)
+        retry_after = timedelta(seconds=delay)
     with session_scope(settings) as session:
         recorded = signal_store.finish_signal(
             session,
@@ -432,6 +432,7 @@ def _finish(
             status=status,
             error=(result.reason or "")[:2000],
             available_at=available_at,
+            retry_after=retry_after,
             refund_attempt=refund,
         )
     if recorded is None:

@@ -30,6 +30,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy.orm import Session
+
 from store.db import session_scope
 from store.entry_state import GDPR_PREFIX
 from store.memories import table_for, user_entries
@@ -209,16 +211,19 @@ def summarize_user(
     owners: Collection[str] | None,
     run_id: int | None,
     keep_alive: Callable[[], None] = lambda: None,
+    hold: Callable[[Session], None] = lambda session: None,
 ) -> SummaryCounts:
     """Summarize the user's groups; model errors other than transient ones propagate.
 
     Transient model errors, unusable replies (the group is left unchanged), groups
     changed meanwhile and groups the budget cannot pay for are deferred to the next run.
+    ``keep_alive`` runs before each group and ``hold`` inside each replacing
+    transaction, before it commits; either may raise to stop (the run lost its lease).
     """
     table = table_for(settings)
     with session_scope(settings) as session:
         rows = user_entries(session, table, user_id)
-    step = _Pass(settings, user_id, run_id, table)
+    step = _Pass(settings, user_id, run_id, table, hold)
     for group in groups_of(rows, settings, book, owners):
         keep_alive()
         policy = book.for_agent(group[0].source_agent_id)
@@ -229,8 +234,11 @@ def summarize_user(
 class _Pass:
     """One user's summarization pass: the counts, and what the budget had left."""
 
-    def __init__(self, settings: Settings, user_id: str, run_id: int | None, table: Any) -> None:
+    def __init__(
+        self, settings: Settings, user_id: str, run_id: int | None, table: Any, hold: Callable[[Session], None]
+    ) -> None:
         self.settings, self.user_id, self.run_id, self.table = settings, user_id, run_id, table
+        self.hold = hold
         self.counts = SummaryCounts()
         # What the tightest budget had left when it last refused a call: later (smaller)
         # groups are tried only if their least reservation fits it.
@@ -264,6 +272,7 @@ class _Pass:
             return  # no smaller than what it would replace: leave the group
         with session_scope(self.settings) as session:
             new_ids = replace_group(session, self.table, group, items, run_id=self.run_id)
+            self.hold(session)
         if new_ids is None:
             self._defer("changed while summarized")
             return

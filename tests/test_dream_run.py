@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -237,3 +238,28 @@ def test_a_run_that_loses_the_database_is_tried_again_soon_and_a_bug_is_not(
         "d2-bug": (False, True),
         "d3": (False, True),
     }
+
+
+def test_a_cron_pass_stops_at_its_time_limit_and_leaves_the_rest_due(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from schedules.cron import run_once
+    from worker import offline_model
+
+    settings = pg_settings.model_copy(update={"cron_time_limit_seconds": 1.0, "dispatch_chunk_size": 1})
+    users = ["l1", "l2", "l3", "l4"]
+    _chunk_world(settings, users)
+    real = offline_model.answer
+
+    def slow(purpose: str, task: Any) -> str:
+        if purpose == "summarize":
+            time.sleep(1.5)
+        return real(purpose, task)
+
+    monkeypatch.setattr(offline_model, "answer", slow)
+
+    report = run_once(settings, users=users)
+
+    # The first user's summary outlasts the limit: the users after it are left for the next pass.
+    assert (report.users_processed, report.users_deferred) == (1, 3)
+    assert set(_ledger(settings, users)) == {"l1"}

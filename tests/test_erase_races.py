@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import select
 
@@ -272,14 +273,68 @@ def test_erasure_during_routine_detection_leaves_no_routine_behind(
     monkeypatch.setattr(activity, "routines_for", held)
     detector = start(detect_routines, pg_settings)  # has read ann's events, not yet written
     assert entered.wait(WAIT)
-    eraser = start(erase_user, pg_settings, "ann", wait_seconds=5)
-    time.sleep(0.5)
-    assert eraser.is_alive()  # waits for the detection's transaction
+    # Nothing of ann is being written yet: the erasure need not wait for the detection.
+    erase_user(pg_settings, "ann", wait_seconds=5)
+    release.set()
+    join(detector)
+    nothing_left(pg_settings, "ann")
+    assert values_of(pg_settings, "ben") != set()  # ben's routine was written
+
+
+def test_erasure_waiting_for_routine_detection_never_holds_up_other_users_activity(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = now().replace(hour=9, minute=0, second=0, microsecond=0)
+    weekly = [{"action": "digest", "at": (base - timedelta(days=7 * w)).isoformat()} for w in range(1, 6)]
+    enqueue_signal("activity", "ann", {"events": weekly}, settings=pg_settings)
+    enqueue_signal("activity", "ben", {"events": weekly}, settings=pg_settings)
+    process_pending(pg_settings)
+    entered, release = threading.Event(), threading.Event()
+    real = activity.schedule.mark_dirty
+
+    class HeldSchedule:
+        """The detection's last step: every routine written, its transaction still open."""
+
+        @staticmethod
+        def mark_dirty(session: Any, user_id: str) -> None:
+            entered.set()
+            assert release.wait(WAIT)
+            real(session, user_id)
+
+    monkeypatch.setattr(activity, "schedule", HeldSchedule)
+    detector = start(detect_routines, pg_settings)
+    assert entered.wait(WAIT)
+    eraser = start(erase_user, pg_settings, "ann", wait_seconds=WAIT)
+    waiting_on_a_lock(pg_settings)  # the erasure waits for the detection writing ann's routine
+    url = pg_settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(url) as producer:
+        producer.execute("SET statement_timeout = '3s'")
+        producer.execute(
+            "INSERT INTO dream_activity (user_id, agent_id, action, at) "
+            "VALUES ('ben', 'a', 'digest', timezone('utc', now()))"
+        )
+        producer.commit()
+    assert eraser.is_alive()
     release.set()
     join(detector)
     join(eraser)
     nothing_left(pg_settings, "ann")
-    assert values_of(pg_settings, "ben") != set()  # ben's routine was written
+    assert values_of(pg_settings, "ben") != set()
+    with session_scope(pg_settings) as session:
+        assert rows_about(session, pg_settings, "ben")["dream_activity"] == 6
+
+
+def waiting_on_a_lock(settings: Settings) -> None:
+    url = settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    query = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    deadline = time.monotonic() + WAIT
+    with psycopg.connect(url, autocommit=True) as conn:
+        while True:
+            row = conn.execute(query).fetchone()
+            if row and row[0]:
+                return
+            assert time.monotonic() < deadline, "the erasure never waited"
+            time.sleep(0.02)
 
 
 def one_round(settings: Settings, rng: random.Random, round_no: int) -> None:

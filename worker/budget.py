@@ -32,7 +32,7 @@ from store import policies as policy_store
 from store import spend as spend_store
 from store.db import session_scope
 from store.spend import BudgetLine, Refused
-from store.types import NANO, now, usd_to_nano
+from store.types import NANO, db_now, now, usd_to_nano
 from worker import metrics
 from worker.errors import BudgetExhausted
 from worker.logs import get_logger
@@ -136,7 +136,8 @@ def lines_for(
         cap = usd_to_nano(effective(settings, config).maxCostPerRun)
         lines.append(BudgetLine("run", run_key(run_id), usd_to_nano(settings.max_cost_per_run)))
         lines.append(BudgetLine("run", agent_key(run_id, agent_id), cap))
-    at = now()
+    with session_scope(settings) as session:
+        at = db_now(session)  # the database's calendar, the same on every host
     lines.append(BudgetLine("day", day_key(at), usd_to_nano(settings.max_cost_per_day), follows_settings=True))
     if user_id is not None:
         cap = usd_to_nano(settings.user_day_cost_cap)
@@ -230,4 +231,4 @@ def run_spent_nano(settings: Settings, run_id: int) -> int:
 
 def day_spent_nano(settings: Settings, at: datetime | None = None) -> int:
     with session_scope(settings) as session:
-        return spend_store.spent_nano(session, "day", day_key(at))
+        return spend_store.spent_nano(session, "day", day_key(at or db_now(session)))

@@ -82,3 +82,11 @@ class BrokerUnavailable(TransientError):
         self.reason = reason
         self.sent = sent
         super().__init__(f"message broker unavailable: {reason}")
+
+
+class LeaseLost(ReverieError):
+    """A run's lease on a user ran out and was taken over, or the user was erased:
+    nothing more may be written for that user under it."""
+
+    def __init__(self, user_hash: str) -> None:
+        super().__init__(f"the lease on user {user_hash} was lost; nothing more was written for that user")

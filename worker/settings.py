@@ -116,6 +116,8 @@ class Settings(BaseSettings):
     sweep_grace_seconds: float = Field(default=60.0, ge=0)
     sweep_max_signals: int = Field(default=1000, ge=1)
     worker_concurrency: int = Field(default=2, ge=1)
+    # How long one ``reverie run`` pass may dream; users it does not reach stay due.
+    cron_time_limit_seconds: float = Field(default=840.0, gt=0)
 
     @field_validator("database_url")
     @classmethod
