@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -169,3 +170,15 @@ def test_only_a_worker_on_postgresql_with_a_broker_listens(make_settings: Any, s
     assert not wanted(make_settings(broker_url=""))
     assert not wanted(make_settings(broker_url="redis://127.0.0.1:6379/0", signal_listener=False))
     assert not wanted(sqlite_settings.model_copy(update={"broker_url": "redis://127.0.0.1:6379/0"}))
+
+
+def test_a_pool_child_forked_while_the_listener_publishes_can_publish_too() -> None:
+    # The listener publishes from a thread of the worker's main process; a child forked
+    # at that moment must not inherit the publish lock as held.
+    with wakeup._publish_lock:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if wakeup._publish_lock.acquire(timeout=2) else 1)
+    _, status = os.waitpid(pid, 0)
+
+    assert os.waitstatus_to_exitcode(status) == 0
