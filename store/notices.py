@@ -65,10 +65,10 @@ def producer_wakes(session: Session) -> Iterator[None]:
         yield
         return
     session.execute(text("SELECT set_config(:name, 'on', true)"), {"name": WOKEN_SETTING})
-    try:
-        yield
-    finally:
-        session.execute(text("SELECT set_config(:name, 'off', true)"), {"name": WOKEN_SETTING})
+    # Not in a ``finally``: after an error the transaction is aborted (and the setting
+    # ends with it), and one more statement would only hide the original error.
+    yield
+    session.execute(text("SELECT set_config(:name, 'off', true)"), {"name": WOKEN_SETTING})
 
 
 def _conninfo(settings: Settings) -> str:

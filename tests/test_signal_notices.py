@@ -11,9 +11,10 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from store.db import session_scope
-from store.notices import CHANNEL, MARKER_SCAN, MAX_PAYLOAD_BYTES, ListenConnection, parse
+from store.notices import CHANNEL, MARKER_SCAN, MAX_PAYLOAD_BYTES, ListenConnection, parse, producer_wakes
 from worker import wakeup
 from worker.producer import enqueue_signal
 from worker.settings import Settings
@@ -128,3 +129,10 @@ def test_the_listening_connection_hears_the_trigger_channel(pg_settings: Setting
     assert source is not None
     assert f"pg_notify('{CHANNEL}', ids)" in source[0]
     assert f"> {MAX_PAYLOAD_BYTES}" in source[0]
+
+
+def test_a_failing_insert_under_the_producers_setting_raises_its_own_error(pg_settings: Settings) -> None:
+    with pytest.raises(DBAPIError) as info, session_scope(pg_settings) as session, producer_wakes(session):
+        session.execute(text("INSERT INTO dream_signals (kind, user_id, payload) VALUES (NULL, 'u', '{}')"))
+
+    assert isinstance(info.value.orig, psycopg.errors.NotNullViolation)
