@@ -12,7 +12,9 @@ PostgreSQL database, offline model. Measured in one run:
    wake-up sent to the last row ``done``;
 3. a sustained run at half the ``activity`` maximum: a producer calls
    :func:`worker.producer.enqueue_signal` (row, commit, wake-up) at a fixed rate;
-   latency is ``processed_at - enqueued_at`` of each row.
+   latency is ``processed_at - enqueued_at`` of each row;
+4. the same latency for producers that only INSERT (:mod:`bench.sql_latency`): idle,
+   and at half the maximum rate.
 
 Goals: activity throughput >= 50 % of the no-op task's; p99 latency < 2 s at half the
 maximum rate.
@@ -50,8 +52,10 @@ import psycopg
 import redis as redis_lib
 from psycopg import sql
 
+from bench import sql_latency
 from bench.signal_workload import SignalSpec, signals
 from bench.table import Row, render
+from bench.table import seconds as in_seconds
 from store.migrate import upgrade
 from worker.settings import Settings
 
@@ -225,6 +229,8 @@ def insert_rows(bench: Bench, specs: Iterable[SignalSpec]) -> list[int]:
     """INSERT the signals by plain SQL in one transaction (as any producer may); their ids."""
     rows = [(s.kind, s.user_id, s.agent_id, json.dumps(s.payload)) for s in specs]
     with psycopg.connect(bench.db_url) as conn, conn.cursor() as cur:
+        # These rows are woken in bulk by :func:`wake`, as the sweeper would: no notices.
+        cur.execute("SELECT set_config('reverie.woken', 'on', true)")
         cur.executemany(
             "INSERT INTO dream_signals (kind, user_id, agent_id, payload) VALUES (%s, %s, %s, %s) RETURNING id",
             rows,
@@ -481,7 +487,11 @@ def run(size: Size) -> list[Row]:
         print(f"  session_end: {session_end.rate:.0f}/s {session_end.statuses}", file=sys.stderr, flush=True)
         steady = sustained(bench, "activity", activity.rate / 2, size.seconds, seed=3)
         print(f"  sustained: {steady}", file=sys.stderr, flush=True)
-    return rows(noop, activity, session_end, steady)
+        by_sql, by_helper = sql_latency.idle(bench, max(size.signals // 30, 5), seed=4)
+        print(f"  idle: sql {by_sql}, helper {by_helper}", file=sys.stderr, flush=True)
+        sql_loaded = sql_latency.loaded(bench, activity.rate / 2, size.seconds, seed=5)
+        print(f"  sql at half max: {sql_loaded}", file=sys.stderr, flush=True)
+    return rows(noop, activity, session_end, steady) + sql_rows(by_sql, by_helper, sql_loaded, steady)
 
 
 def rows(noop: Drain, activity: Drain, session_end: Drain, steady: Sustained) -> list[Row]:
@@ -526,6 +536,44 @@ def rows(noop: Drain, activity: Drain, session_end: Drain, steady: Sustained) ->
         )
     )
     return out
+
+
+def sql_rows(
+    by_sql: sql_latency.Latency, by_helper: sql_latency.Latency, loaded: sql_latency.Latency, steady: Sustained
+) -> list[Row]:
+    """The SQL producer's latency rows, each beside the helper's in the same run."""
+    idle_goal = sql_latency.GOAL_IDLE_P99_SECONDS
+    loaded_goal = sql_latency.GOAL_LOADED_P99_SECONDS
+    return [
+        Row(
+            "P2",
+            f"plain SQL INSERT (no wake-up sent), idle, one at a time ({by_sql.count} signals), latency p50",
+            in_seconds(by_sql.p50),
+            baseline=f"{in_seconds(by_helper.p50)} (enqueue_signal)",
+        ),
+        Row(
+            "P2",
+            "plain SQL INSERT, idle, latency p99 (enqueued_at -> processed_at)",
+            in_seconds(by_sql.p99) + ("" if by_sql.complete else f" ({by_sql.statuses})"),
+            baseline=f"{in_seconds(by_helper.p99)} (enqueue_signal)",
+            goal=f"< {idle_goal:.0f} s",
+            passed=by_sql.p99 < idle_goal and by_sql.complete and by_helper.complete,
+        ),
+        Row(
+            "P2",
+            f"plain SQL INSERT at {loaded.rate:.0f}/s (half max), {loaded.count} signals, latency p50",
+            in_seconds(loaded.p50),
+            baseline=f"{in_seconds(steady.p50)} (enqueue_signal)",
+        ),
+        Row(
+            "P2",
+            "plain SQL INSERT at half max, latency p99, every signal done once",
+            in_seconds(loaded.p99) + ("" if loaded.complete else f" ({loaded.statuses})"),
+            baseline=f"{in_seconds(steady.p99)} (enqueue_signal)",
+            goal=f"< {loaded_goal:.0f} s",
+            passed=loaded.p99 < loaded_goal and loaded.complete,
+        ),
+    ]
 
 
 def measure(quick: bool) -> list[Row]:

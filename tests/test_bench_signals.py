@@ -48,6 +48,11 @@ def test_quick_p2_and_p5_print_their_rows_and_clean_up(pg_settings: object) -> N
     activity = next(r for r in p2 if r["what"].startswith("activity signals"))
     assert activity["figure"].endswith("signals/s") and activity["baseline"].endswith("tasks/s")
     assert activity["verdict"] in ("pass", "MISS")
+    # Plain SQL producers: idle and at half max, each beside the helper's latency.
+    sql_rows = [r for r in p2 if r["what"].startswith("plain SQL INSERT")]
+    assert len(sql_rows) == 4
+    assert all(r["baseline"].endswith("(enqueue_signal)") for r in sql_rows)
+    assert [r["verdict"] for r in sql_rows if r["goal"] != "-"] == ["pass", "pass"]
     # Every signal of the memory run was processed, and parent and both children were sampled.
     assert p5[0]["verdict"] == "pass", p5[0]
     names = {r["what"].split(":")[0] for r in p5[1:]}

@@ -36,6 +36,7 @@ from kombu.entity import Exchange, Queue
 import worker.celery_hooks  # noqa: F401  (logging context, metrics, task events)
 from schedules.beat import beat_schedule
 from store.db import dispose_engines
+from worker import signal_listener  # noqa: F401  (PostgreSQL's notices of new signals)
 from worker.settings import Settings, get_settings
 
 SIGNALS_QUEUE = "signals"

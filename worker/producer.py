@@ -7,6 +7,7 @@ transaction (a transactional outbox); without it, in a transaction of its own.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from store import signals as signal_store
 from store.db import session_scope
+from store.notices import producer_wakes
 from worker.payloads import default_idempotency_key, validate_signal
 from worker.settings import Settings, get_settings
 
@@ -48,15 +50,20 @@ def enqueue_signal(
     fallback = default_idempotency_key(kind, user_id, payload)
 
     def write(target: Session) -> Enqueued:
-        inserted = signal_store.insert_signal(
-            target,
-            kind=kind,
-            user_id=user_id,
-            payload=payload,
-            agent_id=agent_id,
-            idempotency_key=idempotency_key,
-            fallback_key=fallback,
-        )
+        # This helper publishes its own wake-up after commit, so PostgreSQL's notice
+        # for the row would only double it; without a broker there is no wake-up to
+        # send, and the notice is what reaches a worker.
+        skip_notice = producer_wakes(target) if settings.broker_url else nullcontext()
+        with skip_notice:
+            inserted = signal_store.insert_signal(
+                target,
+                kind=kind,
+                user_id=user_id,
+                payload=payload,
+                agent_id=agent_id,
+                idempotency_key=idempotency_key,
+                fallback_key=fallback,
+            )
         return Enqueued(inserted.signal_id, inserted.idempotency_key, inserted.created)
 
     if session is not None:

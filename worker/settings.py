@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     # A ready signal not picked up this long after it became available gets a new wake-up.
     sweep_grace_seconds: float = Field(default=60.0, ge=0)
     sweep_max_signals: int = Field(default=1000, ge=1)
+    # Each worker's main process listens for PostgreSQL's notices of new signals (one
+    # worker of the deployment at a time; the others retry this often to take over).
+    signal_listener: bool = True
+    signal_listener_retry_seconds: float = Field(default=3.0, gt=0)
     worker_concurrency: int = Field(default=2, ge=1)
     # How long one ``reverie run`` pass may dream; users it does not reach stay due.
     cron_time_limit_seconds: float = Field(default=840.0, gt=0)

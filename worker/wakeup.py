@@ -39,6 +39,17 @@ _producers: dict[tuple[int, str], tuple[Any, Any]] = {}
 _quiet_until = 0.0
 
 
+def _fresh_locks_in_child() -> None:
+    global _lock, _publish_lock  # noqa: PLW0603 - replaced, never shared with the parent
+    # The worker's main process publishes from its signal listener thread; a pool child
+    # forked while that thread held a lock would otherwise wait on it forever.
+    _lock = threading.Lock()
+    _publish_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks_in_child)
+
+
 def _app_for(settings: Settings) -> Celery:
     from worker.app import app, create_app
 
