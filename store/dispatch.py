@@ -197,9 +197,9 @@ def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime | N
     dialect = session.get_bind().dialect
     if dialect.name == "postgresql":
         interval = settings.dream_interval_hours * 3600
-        statement = text(_PG_ADOPT.format(memories=dialect.identifier_preparer.format_table(memories)))
+        scan = text(_PG_ADOPT.format(memories=dialect.identifier_preparer.format_table(memories)))
         base = (at - EPOCH).total_seconds()
-        return len(session.execute(statement, {"base": base, "interval": interval}).all())
+        return len(session.execute(scan, {"base": base, "interval": interval}).all())
     unseen = (
         select(memories.c.user_id, bindparam("at", at).label("next_dream_at"))
         .where(~select(UserState.user_id).where(UserState.user_id == memories.c.user_id).exists())

@@ -85,7 +85,7 @@ def test_worker_and_beat_process_signals_and_dreams_and_survive_sigkill_and_sigt
     service.beat()
     worker1 = service.worker()
 
-    wait_until("the first signals are done", lambda: db.statuses(first) == {"done": 20}, 45, service)
+    wait_until("the first signals are done", lambda: db.statuses(first) == {"done": 20}, 120, service)
     wait_until(
         "the due user has dreamed",
         lambda: bool(db.rows("SELECT 1 FROM dream_runs WHERE user_id = %s AND status = 'succeeded'", SLEEPER)),
@@ -116,7 +116,8 @@ def test_worker_and_beat_process_signals_and_dreams_and_survive_sigkill_and_sigt
     assert left.get("done", 0) < len(second), "the kill came after all the work was done"
 
     service.worker()
-    wait_until("every signal of the killed worker is done", lambda: db.statuses(second) == {"done": 300}, 45, service)
+    # Generous: the point is that all are done once, not how fast a loaded machine goes.
+    wait_until("every signal of the killed worker is done", lambda: db.statuses(second) == {"done": 300}, 180, service)
     _assert_applied_once(db, first + second)
 
     # -- 3. SIGTERM: a warm shutdown finishes what it started --------------------------
@@ -134,7 +135,7 @@ def test_worker_and_beat_process_signals_and_dreams_and_survive_sigkill_and_sigt
     assert db.statuses(third).get("processing", 0) == 0
 
     service.worker()
-    wait_until("every signal is done after the restart", lambda: db.statuses(third) == {"done": 150}, 45, service)
+    wait_until("every signal is done after the restart", lambda: db.statuses(third) == {"done": 150}, 180, service)
     _assert_applied_once(db, first + second + third)
 
 

@@ -40,13 +40,13 @@ def health(
 
 
 def _check_broker(url: str) -> None:
-    from kombu import Connection
+    from kombu.connection import Connection
     from kombu.exceptions import OperationalError
 
     from store.db import safe_url
 
     try:
-        with Connection(url, connect_timeout=BROKER_TIMEOUT_SECONDS) as connection:
+        with Connection(url, connect_timeout=BROKER_TIMEOUT_SECONDS) as connection:  # type: ignore[no-untyped-call]
             connection.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT_SECONDS)
     except (OperationalError, OSError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
