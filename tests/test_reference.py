@@ -225,3 +225,33 @@ def test_the_sql_insert_skips_a_duplicate_without_aborting_the_transaction(pg_se
     # The reference says the default key is the same for every way in: enqueue_signal sees a duplicate.
     again = enqueue_signal(kind, user_id, payload, settings=pg_settings)
     assert not again.created
+
+
+def test_readme_points_at_the_reference() -> None:
+    readme = (ROOT / "README.md").read_text("utf-8")
+    assert readme.count("docs/reference.md") >= 3, (
+        "README.md should link docs/reference.md near the top, in 'Command line' and in 'Configuration'"
+    )
+    assert "contract" not in readme.lower(), "README.md speaks of a contract users cannot read; name the reference"
+
+
+def _anchor(heading: str) -> str:
+    """The anchor a Markdown renderer gives a heading (GitHub's rule)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_resolves() -> None:
+    text = REFERENCE.read_text("utf-8")
+    anchors = {_anchor(heading) for heading in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        path, _hash, anchor = target.partition("#")
+        if path and not (REFERENCE.parent / path).exists():
+            problems.append(f"{target}: no such file")
+        elif not path and anchor not in anchors:
+            problems.append(f"{target}: no such heading")
+    readme = (ROOT / "README.md").read_text("utf-8")
+    for anchor in re.findall(r"\]\(docs/reference\.md#([^)\s]+)\)", readme):
+        if anchor not in anchors:
+            problems.append(f"README.md links docs/reference.md#{anchor}: no such heading")
+    assert not problems, f"{NAME}: broken links: " + "; ".join(problems)
