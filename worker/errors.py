@@ -77,3 +77,13 @@ class BrokerUnavailable(TransientError):
         self.reason = reason
         self.sent = sent
         super().__init__(f"message broker unavailable: {reason}")
+
+
+class KeyModelUnavailable(ReverieError):
+    """The key-matching model cannot be used (``reason``: missing, checksum, runtime, broken);
+    the rules alone match keys."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"key-matching model unavailable ({reason}): {detail}")

@@ -65,6 +65,16 @@ class Settings(BaseSettings):
     signal_lease_seconds: int = Field(default=300, ge=5)
     signal_backoff_seconds: float = Field(default=30.0, ge=0)
 
+    # -- key matching -------------------------------------------------------------
+    # ``embedding``: rules, then the local model; ``rules``: rules alone; ``off``: keys
+    # match only when equal after case and separators.
+    key_matching: Literal["embedding", "rules", "off"] = "embedding"
+    # Cosine similarity of the phrases about two keys at or above which they are one key
+    # (the rules and the contrast-word veto decide first).
+    key_match_threshold: float = Field(default=0.8, gt=0, le=1)
+    # The ONNX file to use instead of the one the model package installs.
+    key_matching_model_path: str | None = None
+
     # -- operations ---------------------------------------------------------------
     metrics_port: int = Field(default=9540, ge=1, le=65535)
     log_format: Literal["auto", "json", "console"] = "auto"
