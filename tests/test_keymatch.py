@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import sys
+from pathlib import Path
 
-from worker.keymatch import KeyMatcher, rules
+import pytest
+from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
+
+from tests.key_pairs import DIFFERENT, SAME
+from worker.keymatch import KeyMatcher, forget_matchers, get_matcher, rules
+from worker.keymatch.embedding import default_model_path
+from worker.settings import Settings
 
 
 @pytest.mark.parametrize(
@@ -72,8 +80,122 @@ def test_groups_pick_one_representative_whatever_the_order() -> None:
     assert forward["last_name"] == "last_name"
 
 
+def test_rules_form_is_stable_when_applied_again() -> None:
+    for key in [*rules._ABBREVIATIONS, *rules._SPELLING, "zip_code", "Favourite-Colours", "phone_no"]:
+        assert rules.normalise(rules.normalise(key)) == rules.normalise(key), key
+
+
 def test_off_compares_case_and_separators_only() -> None:
     matcher = KeyMatcher(mode="off")
     assert matcher.same("Favorite-Color", "favorite_color")
     assert not matcher.same("favorite_color", "favourite_colour")
     assert not matcher.same("dob", "date_of_birth")
+
+
+# -- with the local model ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_matcher() -> KeyMatcher:
+    forget_matchers()
+    matcher = get_matcher(Settings(key_matching="embedding"))
+    assert matcher.embedder is not None, "the key-matching model did not load"
+    return matcher
+
+
+def _scores(matcher: KeyMatcher) -> tuple[int, int, int]:
+    """(true positives, false positives, false negatives) over the labelled pairs."""
+    tp = sum(matcher.same(a, b) for a, b in SAME)
+    fp = sum(matcher.same(a, b) for a, b in DIFFERENT)
+    return tp, fp, len(SAME) - tp
+
+
+def test_labelled_pairs_precision_is_total_and_recall_at_least_90_percent(model_matcher: KeyMatcher) -> None:
+    tp, fp, fn = _scores(model_matcher)
+    wrong = [pair for pair in DIFFERENT if model_matcher.same(*pair)]
+    assert fp == 0, f"keys that are different facts were matched: {wrong}"
+    assert tp / (tp + fn) >= 0.90, f"recall {tp}/{tp + fn}"
+
+
+def test_rules_alone_miss_what_the_model_finds(model_matcher: KeyMatcher) -> None:
+    rules_only = KeyMatcher(mode="rules")
+    rules_tp, rules_fp, _ = _scores(rules_only)
+    model_tp, _, _ = _scores(model_matcher)
+    assert rules_fp == 0
+    assert rules_tp < model_tp
+    assert not rules_only.same("birthday", "date_of_birth")
+    assert model_matcher.same("birthday", "date_of_birth")
+
+
+def test_find_returns_the_existing_key_that_means_the_proposed_one(model_matcher: KeyMatcher) -> None:
+    existing = ["first_name", "date_of_birth", "city_of_residence", "work_city", "favorite_food"]
+    assert model_matcher.find("birthday", existing) == "date_of_birth"
+    assert model_matcher.find("home_city", existing) == "city_of_residence"
+    assert model_matcher.find("last_name", existing) is None
+    assert model_matcher.find("favorite_book", existing) is None
+
+
+def test_groups_never_chain_contrasting_keys_through_a_common_neighbour(model_matcher: KeyMatcher) -> None:
+    keys = ["name", "first_name", "last_name", "birthday", "date_of_birth", "DOB", "home_city", "work_city"]
+    groups = model_matcher.groups(keys)
+    assert groups["first_name"] != groups["last_name"]
+    assert groups["home_city"] != groups["work_city"]
+    assert groups["birthday"] == groups["date_of_birth"] == groups["DOB"]
+    assert groups == model_matcher.groups(list(reversed(keys)))
+
+
+# -- when the model cannot be used ---------------------------------------------------
+
+
+def _fallback_count(reason: str) -> float:
+    value = REGISTRY.get_sample_value("dream_key_model_unavailable_total", {"reason": reason})
+    return value or 0.0
+
+
+@pytest.mark.parametrize("damage", ["missing", "checksum"])
+def test_missing_or_damaged_model_file_leaves_the_rules_with_a_warning_and_a_count(
+    damage: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "model.onnx"
+    if damage == "checksum":
+        original = default_model_path()
+        assert original is not None
+        data = bytearray(original.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    forget_matchers()
+    before = _fallback_count(damage)
+    settings = Settings(key_matching="embedding", key_matching_model_path=str(path))
+    with capture_logs() as logs:
+        matcher = get_matcher(settings)
+        again = get_matcher(settings)
+    assert again is matcher
+    assert matcher.embedder is None
+    assert _fallback_count(damage) == before + 1
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1 and warnings[0]["reason"] == damage
+    assert matcher.same("Favourite-Colour", "favorite_color")
+    assert not matcher.same("birthday", "date_of_birth")
+    assert matcher.groups(["first_name", "last_name"]) == {"first_name": "first_name", "last_name": "last_name"}
+    forget_matchers()
+
+
+def test_missing_onnxruntime_leaves_the_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry makes ``import onnxruntime`` raise ImportError, as on a host without it.
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    forget_matchers()
+    before = _fallback_count("runtime")
+    matcher = get_matcher(Settings(key_matching="embedding"))
+    assert matcher.embedder is None
+    assert _fallback_count("runtime") == before + 1
+    assert matcher.same("DOB", "date_of_birth")
+    forget_matchers()
+
+
+def test_rules_setting_never_loads_the_model() -> None:
+    forget_matchers()
+    before = sum(_fallback_count(r) for r in ("missing", "checksum", "runtime", "broken"))
+    matcher = get_matcher(Settings(key_matching="rules"))
+    assert matcher.embedder is None and matcher.model_id is None
+    assert sum(_fallback_count(r) for r in ("missing", "checksum", "runtime", "broken")) == before
+    forget_matchers()

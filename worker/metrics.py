@@ -50,4 +50,14 @@ BUDGET_EXHAUSTED = Counter(
     "dream_budget_exhausted_total", "Model calls not made because a budget was spent.", ["scope"]
 )
 
+KEY_MODEL_UNAVAILABLE = Counter(
+    "dream_key_model_unavailable_total",
+    "Times the key-matching model could not be loaded, so the rules alone matched keys, by reason.",
+    ["reason"],
+)
+KEY_EMBEDDINGS = Counter(
+    "dream_key_embeddings_total", "Keys run through the key-matching model (cached vectors are not counted)."
+)
+
 SIGNAL_OUTCOMES = ("done", "rejected", "failed", "dead")
+KEY_MODEL_REASONS = ("missing", "checksum", "runtime", "broken")

@@ -147,6 +147,8 @@ def initialise_label_sets() -> None:
             metrics.SIGNALS_PROCESSED.labels(kind, outcome)
     for scope in ("run", "day"):
         metrics.BUDGET_EXHAUSTED.labels(scope)
+    for reason in metrics.KEY_MODEL_REASONS:
+        metrics.KEY_MODEL_UNAVAILABLE.labels(reason)
 
 
 def build_registry() -> Any:

@@ -7,11 +7,17 @@ place that compares keys: writes, contradiction detection and feedback recurrenc
   spelling, plurals and common abbreviations make ``Favourite-Colours`` and
   ``favorite_color`` one key. Keys that differ in a contrasting word (``first_name`` /
   ``last_name``, ``home_city`` / ``work_city``) are never one key.
-- Then, where the rules leave it open, a small local embedding model compares short
-  phrases about the user built from the keys (``the user's home city``).
+- Then, where the rules leave it open, a small local embedding model
+  (:mod:`worker.keymatch.embedding`) compares short phrases about the user built from
+  the keys (``the user's home city``): at or above ``key_match_threshold`` they are one
+  key; keys that share words but are about another thing (``favorite_movie`` /
+  ``favorite_book``) need ``key_match_strict_threshold``.
 
 With ``REVERIE_KEY_MATCHING=rules`` (or when the model cannot be loaded) the rules
 alone decide; with ``off`` keys match only when equal after case and separators.
+
+Vectors are kept per rules form, in memory and (through :mod:`store.key_vectors`) in
+``dream_key_vectors``, so a key is run through the model once.
 
 This package is part of the kernel: it imports nothing from the Celery app, the CLI
 or the demo.
@@ -21,15 +27,27 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
+import structlog
+
+from worker import metrics
+from worker.errors import KeyModelUnavailable
 from worker.keymatch import rules
 from worker.settings import Settings
 
+if TYPE_CHECKING:
+    from worker.keymatch.embedding import Embedder, Vectors
+
 Mode = Literal["embedding", "rules", "off"]
 
+log = structlog.get_logger("reverie.keymatch")
+
 _SEPARATORS = re.compile(r"[\s_.\-]+")
+# Keys a process remembers vectors for; beyond it the memory starts again (about 1.5 KB each).
+MEMORY_VECTORS = 20_000
 
 
 def _plain(key: str) -> str:
@@ -38,10 +56,28 @@ def _plain(key: str) -> str:
 
 
 class KeyMatcher:
-    """Decides whether keys mean the same fact. Safe to share between threads."""
+    """Decides whether keys mean the same fact. Safe to share between threads.
 
-    def __init__(self, *, mode: Mode = "rules") -> None:
+    Without an embedder (``mode`` ``rules`` or ``off``, or a model that failed to load)
+    only the rules match keys.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: Mode = "rules",
+        embedder: Embedder | None = None,
+        threshold: float = 0.70,
+        strict_threshold: float = 0.90,
+    ) -> None:
         self.mode: Mode = mode
+        self.embedder = embedder if mode == "embedding" else None
+        self.threshold = threshold
+        self.strict_threshold = strict_threshold
+        self._vectors: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    # -- the rules ------------------------------------------------------------------
 
     def normalise(self, key: str) -> str:
         """The key's rules form (``Date-Of-Birth``, ``DOB`` -> ``date_of_birth``);
@@ -50,43 +86,204 @@ class KeyMatcher:
             return _plain(key)
         return rules.normalise(key)
 
+    @staticmethod
+    def phrase(norm: str) -> str:
+        """What the model embeds for a key in rules form: a phrase about the user."""
+        return "the user's " + norm.replace("_", " ")
+
+    # -- vectors --------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str | None:
+        """Names the model and phrase form that vectors come from (None: rules only)."""
+        return None if self.embedder is None else self.embedder.model_id
+
+    def missing(self, keys: Iterable[str]) -> list[str]:
+        """The rules forms of ``keys`` that have no vector in this process yet."""
+        if self.embedder is None:
+            return []
+        with self._lock:
+            return sorted({n for n in map(self.normalise, keys) if n not in self._vectors})
+
+    def remember(self, vectors: Mapping[str, bytes]) -> None:
+        """Take vectors (rules form -> float32 bytes) read from the cache table."""
+        if self.embedder is None or not vectors:
+            return
+        import numpy as np
+
+        with self._lock:
+            self._make_room(len(vectors))
+            for norm, raw in vectors.items():
+                self._vectors[norm] = np.frombuffer(raw, dtype=np.float32)
+
+    def embed(self, norms: Sequence[str]) -> dict[str, bytes]:
+        """Run the model on rules forms it has no vector for; returns the new vectors as
+        bytes (for the cache table) and remembers them."""
+        if self.embedder is None:
+            return {}
+        todo = self.missing(norms)
+        if not todo:
+            return {}
+        computed = self.embedder.embed([self.phrase(n) for n in todo])
+        metrics.KEY_EMBEDDINGS.inc(len(todo))
+        with self._lock:
+            self._make_room(len(todo))
+            for norm, vector in zip(todo, computed, strict=True):
+                self._vectors[norm] = vector
+        return {norm: vector.tobytes() for norm, vector in zip(todo, computed, strict=True)}
+
+    def _make_room(self, wanted: int) -> None:
+        if len(self._vectors) + wanted > MEMORY_VECTORS:
+            self._vectors.clear()
+
+    def _matrix(self, norms: Sequence[str]) -> Vectors:
+        import numpy as np
+
+        self.embed(norms)
+        with self._lock:
+            return np.stack([self._vectors[n] for n in norms])
+
+    # -- answers --------------------------------------------------------------------
+
+    def _decide(self, a: str, b: str, similarity: float | None) -> bool:
+        """``a`` and ``b`` in rules form, different; ``similarity`` None: rules only."""
+        if similarity is None or rules.contrasting(a, b):
+            return False
+        needed = self.strict_threshold if rules.other_slot(a, b) else self.threshold
+        return similarity >= needed
+
+    def similarity(self, a: str, b: str) -> float | None:
+        """Cosine similarity of the phrases about two keys (None: no model)."""
+        if self.embedder is None:
+            return None
+        pair = self._matrix([self.normalise(a), self.normalise(b)])
+        return float(pair[0] @ pair[1])
+
     def same(self, a: str, b: str) -> bool:
         """True when the two keys mean the same fact about the user."""
-        return a == b or self.normalise(a) == self.normalise(b)
+        na, nb = self.normalise(a), self.normalise(b)
+        if a == b or na == nb:
+            return True
+        if self.embedder is None or rules.contrasting(na, nb):
+            return False
+        return self._decide(na, nb, self.similarity(na, nb))
 
     def find(self, proposed: str, existing: Sequence[str]) -> str | None:
         """The key of ``existing`` that means ``proposed`` (the best match: the identical
-        key, else one with the same rules form, else the closest by meaning), or None."""
+        key, else one with the same rules form, else the closest by meaning), or None.
+
+        Costs one model run for each rules form never seen before (none for keys whose
+        vectors were read from the cache table), then one vector product."""
         if proposed in existing:
             return proposed
         norm = self.normalise(proposed)
-        for key in existing:
-            if self.normalise(key) == norm:
+        norms = [self.normalise(key) for key in existing]
+        for key, other in zip(existing, norms, strict=True):
+            if other == norm:
                 return key
-        return None
+        candidates = [i for i, other in enumerate(norms) if not rules.contrasting(norm, other)]
+        if self.embedder is None or not candidates:
+            return None
+        matrix = self._matrix([norm, *(norms[i] for i in candidates)])
+        scores = matrix[1:] @ matrix[0]
+        best: tuple[float, str] | None = None
+        for i, score in zip(candidates, scores, strict=True):
+            if self._decide(norm, norms[i], float(score)) and (best is None or score > best[0]):
+                best = (float(score), existing[i])
+        return None if best is None else best[1]
 
     def groups(self, keys: Sequence[str]) -> dict[str, str]:
         """Each key -> the representative key of its meaning-group (the group's smallest
-        key by rules form, then by spelling, so the choice does not depend on order)."""
+        key by rules form, then by spelling, so the choice does not depend on order).
+
+        Keys with one rules form are one group; with the model, two groups join only
+        when every pair across them matches, so ``name`` cannot chain ``first_name`` to
+        ``last_name``."""
         distinct = sorted(set(keys), key=lambda k: (self.normalise(k), k))
-        representative: dict[str, str] = {}
-        by_norm: dict[str, str] = {}
+        by_norm: dict[str, list[str]] = {}
         for key in distinct:
-            norm = self.normalise(key)
-            representative[key] = by_norm.setdefault(norm, key)
+            by_norm.setdefault(self.normalise(key), []).append(key)
+        norms = list(by_norm)
+        clusters = self._cluster(norms) if self.embedder is not None and len(norms) > 1 else [[n] for n in norms]
+        representative: dict[str, str] = {}
+        for cluster in clusters:
+            members = [key for norm in cluster for key in by_norm[norm]]
+            chosen = min(members, key=lambda k: (self.normalise(k), k))
+            representative.update(dict.fromkeys(members, chosen))
         return representative
+
+    def _cluster(self, norms: list[str]) -> list[list[str]]:
+        matrix = self._matrix(norms)
+        scores = matrix @ matrix.T
+        cluster_of = list(range(len(norms)))
+        members: dict[int, list[int]] = {i: [i] for i in range(len(norms))}
+        lowest = min(self.threshold, self.strict_threshold)
+        edges = sorted(
+            ((float(scores[i, j]), i, j) for i in range(len(norms)) for j in range(i + 1, len(norms))),
+            reverse=True,
+        )
+        for score, i, j in edges:
+            if score < lowest:
+                break
+            ci, cj = cluster_of[i], cluster_of[j]
+            if ci == cj:
+                continue
+            if all(self._decide(norms[x], norms[y], float(scores[x, y])) for x in members[ci] for y in members[cj]):
+                for y in members.pop(cj):
+                    cluster_of[y] = ci
+                    members[ci].append(y)
+        return [[norms[i] for i in sorted(group)] for group in members.values()]
 
 
 _lock = threading.Lock()
 _matchers: dict[tuple[object, ...], KeyMatcher] = {}
+_warned: set[tuple[object, ...]] = set()
+
+
+def _load_embedder(settings: Settings) -> Embedder | None:
+    ident = ("model", settings.key_matching_model_path)
+    try:
+        from worker.keymatch.embedding import Embedder
+
+        path = Path(settings.key_matching_model_path) if settings.key_matching_model_path else None
+        return Embedder(path)
+    except ImportError as exc:
+        failure = KeyModelUnavailable("runtime", f"{exc.name or 'numpy'} is not installed")
+    except KeyModelUnavailable as exc:
+        failure = exc
+    metrics.KEY_MODEL_UNAVAILABLE.labels(failure.reason).inc()
+    if ident not in _warned:
+        _warned.add(ident)
+        log.warning("key matching falls back to rules", reason=failure.reason, detail=failure.detail)
+    return None
 
 
 def get_matcher(settings: Settings) -> KeyMatcher:
-    """The process-wide matcher for these settings, built (and its model loaded) once."""
-    mode: Mode = "off" if settings.key_matching == "off" else "rules"
-    ident: tuple[object, ...] = (mode,)
+    """The process-wide matcher for these settings, built (and its model loaded) once.
+
+    A model that cannot be loaded leaves a rules-only matcher, a warning in the log and
+    a count in ``dream_key_model_unavailable_total``; it never raises."""
+    ident: tuple[object, ...] = (
+        settings.key_matching,
+        settings.key_match_threshold,
+        settings.key_match_strict_threshold,
+        settings.key_matching_model_path,
+    )
     with _lock:
         matcher = _matchers.get(ident)
         if matcher is None:
-            matcher = _matchers[ident] = KeyMatcher(mode=mode)
+            embedder = _load_embedder(settings) if settings.key_matching == "embedding" else None
+            matcher = _matchers[ident] = KeyMatcher(
+                mode=settings.key_matching,
+                embedder=embedder,
+                threshold=settings.key_match_threshold,
+                strict_threshold=settings.key_match_strict_threshold,
+            )
         return matcher
+
+
+def forget_matchers() -> None:
+    """Drop the process's matchers (the next :func:`get_matcher` loads again)."""
+    with _lock:
+        _matchers.clear()
+        _warned.clear()

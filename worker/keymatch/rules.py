@@ -90,7 +90,6 @@ _ABBREVIATIONS = {
     "ctry": "country",
     "st": "street",
     "dl": "driving_license",
-    "zip": "zip_code",
     "zipcode": "zip_code",
     "ssn": "social_security_number",
     "pw": "password",
@@ -138,6 +137,7 @@ _IRREGULAR = {
     "news": "news",
     "glasses": "glasses",
     "clothes": "clothes",
+    "pajamas": "pajamas",
     "pants": "pants",
     "jeans": "jeans",
     "sports": "sport",
@@ -182,7 +182,7 @@ CONTRAST_CLASSES: tuple[frozenset[str], ...] = tuple(
         "start end begin finish beginning ending open close opening closing arrival departure",
         "minimum maximum average typical",
         "previous current former next old new past future last latest original",
-        "mother father mom dad parent brother sister son daughter child wife husband partner spouse"
+        "mother father mom dad parent brother sister son daughter child wife husband"
         " boyfriend girlfriend grandmother grandfather grandma grandpa aunt uncle cousin friend boss colleague",
         "morning afternoon evening night day noon midnight",
         "monday tuesday wednesday thursday friday saturday sunday weekday weekend",
@@ -287,3 +287,19 @@ def contrasting(a: str, b: str) -> bool:
     if any(_DIGITS.match(w) for w in only_a | only_b):
         return True
     return any((only_a & words_) and (only_b & words_) for words_ in CONTRAST_CLASSES)
+
+
+def head(key: str) -> str:
+    """The word a key is about: the last one, or the one before ``of`` (``date_of_birth``)."""
+    found = words(key)
+    if "of" in found[1:]:
+        return found[found.index("of") - 1]
+    return found[-1] if found else ""
+
+
+def other_slot(a: str, b: str) -> bool:
+    """True when the keys share words but are about different things (``favorite_movie`` /
+    ``favorite_book``): the same frame with another slot, usually another fact."""
+    wa, wb = set(words(a)), set(words(b))
+    ha, hb = head(a), head(b)
+    return bool(wa & wb) and ha != hb and ha not in wb and hb not in wa
