@@ -233,3 +233,11 @@ def test_worker_main_process_preloads_the_matcher_and_forked_children_use_it(tmp
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "child 0"
     assert "key matcher preloaded" in done.stderr + done.stdout
+
+
+def test_key_matching_benchmark_quick_mode_meets_its_goals() -> None:
+    from bench.key_matching import measure
+
+    rows = measure(quick=True)
+    assert [r.what for r in rows if r.passed is False] == []
+    assert sum(r.passed is True for r in rows) == 2
