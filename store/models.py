@@ -18,6 +18,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -316,6 +317,18 @@ class Observation(Base):
     promoted_at: Mapped[datetime | None]
 
     __table_args__ = (Index("uq_dream_observations_candidate", "user_id", "agent_id", "key", unique=True),)
+
+
+class KeyVector(Base):
+    """The key-matching model's vector for one key in rules form (no user: keys are shared)."""
+
+    __tablename__ = "dream_key_vectors"
+
+    # Names the model and the phrase form, so another model never reads these vectors.
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    norm_key: Mapped[str] = mapped_column(String(512), primary_key=True)
+    vector: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(server_default=utcnow())
 
 
 class ActivityEvent(Base):

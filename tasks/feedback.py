@@ -8,7 +8,9 @@ draft must be one the user wrote or deleted, so text that sits untouched in the 
 (injected by a tool or a web page the agent read) never becomes a preference.
 Each candidate is kept as a pending observation and becomes a ``preference`` entry
 only once it has been seen in ``feedback_min_recurrence`` feedback signals of that
-user: one edit is an accident, a repeated edit is a preference.
+user: one edit is an accident, a repeated edit is a preference. Sightings under keys
+that mean the same (``response_length``, ``preferred_response_length``; see
+:mod:`worker.keymatch`) count together, under the key first seen.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from store import observations
+from store import key_vectors, observations
 from store.memories import table_for, upsert_entry
 from tasks.decisions import Decision, Effect, SignalInput, normalise, parse_reply_list
+from worker.keymatch import get_matcher
 from worker.settings import Settings
 
 SOURCE = "feedback"
@@ -169,7 +172,15 @@ def apply(session: Session, settings: Settings, signal: SignalInput, proposal: P
     agent = agent_for(signal)
     table = table_for(settings)
     needed = settings.feedback_min_recurrence
-    for candidate in proposal.candidates:
+    matcher = get_matcher(settings)
+    known = observations.keys_of(session, user_id=signal.user_id, agent_id=agent) if proposal.candidates else []
+    key_vectors.prepare(session, matcher, [*known, *(c.key for c in proposal.candidates)])
+    for proposed in proposal.candidates:
+        # A preference seen before under a key that means the same counts with it.
+        key = matcher.find(proposed.key, known) or proposed.key
+        if key not in known:
+            known.append(key)
+        candidate = Candidate(key, proposed.value, proposed.evidence)
         seen = observations.observe(
             session,
             user_id=signal.user_id,

@@ -80,6 +80,7 @@ def _worker_init(**_: Any) -> None:
     # worker_init comes before Celery's setup_logging; these first lines need the format too.
     configure_logging(settings)
     warn_if_public_hash_key(settings, process="worker")
+    _preload_key_matcher(settings)
     _preload_gateway(settings)
     directory = metrics_server.multiprocess_dir()
     if directory is not None:
@@ -98,6 +99,21 @@ def _worker_init(**_: Any) -> None:
         log.error("metrics endpoint not started", error=str(exc))
         return
     log.info("metrics endpoint serving", port=_server.port, path="/metrics")
+
+
+def _preload_key_matcher(settings: Settings) -> None:
+    """Load the key matcher (and its model) once in the main process, before the pool
+    forks, so the children share its pages instead of each loading its own copy."""
+    from worker.keymatch import get_matcher
+
+    started = time.perf_counter()
+    matcher = get_matcher(settings)
+    log.info(
+        "key matcher preloaded",
+        mode=settings.key_matching,
+        model=matcher.model_id is not None,
+        seconds=round(time.perf_counter() - started, 2),
+    )
 
 
 def _preload_gateway(settings: Settings) -> None:

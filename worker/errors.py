@@ -90,3 +90,13 @@ class LeaseLost(ReverieError):
 
     def __init__(self, user_hash: str) -> None:
         super().__init__(f"the lease on user {user_hash} was lost; nothing more was written for that user")
+
+
+class KeyModelUnavailable(ReverieError):
+    """The key-matching model cannot be used (``reason``: missing, checksum, runtime, broken);
+    the rules alone match keys."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"key-matching model unavailable ({reason}): {detail}")

@@ -60,6 +60,15 @@ BUDGET_EXHAUSTED = Counter(
     "dream_budget_exhausted_total", "Model calls not made because a budget was spent.", ["scope"]
 )
 
+KEY_MODEL_UNAVAILABLE = Counter(
+    "dream_key_model_unavailable_total",
+    "Times the key-matching model could not be loaded, so the rules alone matched keys, by reason.",
+    ["reason"],
+)
+KEY_EMBEDDINGS = Counter(
+    "dream_key_embeddings_total", "Keys run through the key-matching model (cached vectors are not counted)."
+)
+
 SIGNAL_OUTCOMES = ("done", "rejected", "failed", "dead")
 # Label values known in advance, exported at zero from the first scrape.
 MEMORY_WRITE_SOURCES = ("session_end", "feedback", "activity", "summarize")
@@ -68,3 +77,4 @@ LLM_PURPOSES = ("extract_facts", "feedback", "summarize")
 LLM_DIRECTIONS = ("input", "output")
 LLM_OUTCOMES = ("ok", "transient", "permanent", "error", "over_ceiling", "malformed")
 BUDGET_SCOPES = ("run", "day", "user", "signal")
+KEY_MODEL_REASONS = ("missing", "checksum", "runtime", "broken")

@@ -163,6 +163,8 @@ def initialise_label_sets(model: str | None = None) -> None:
         metrics.LLM_UNRECORDED_COST.labels(model=model)
         for outcome in metrics.LLM_OUTCOMES:
             metrics.LLM_REQUESTS.labels(model=model, outcome=outcome)
+    for reason in metrics.KEY_MODEL_REASONS:
+        metrics.KEY_MODEL_UNAVAILABLE.labels(reason)
 
 
 def build_registry() -> Any:

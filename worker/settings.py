@@ -91,6 +91,18 @@ class Settings(BaseSettings):
     purge_batch_size: int = Field(default=1000, ge=1)
     purge_interval_seconds: float = Field(default=3600.0, gt=0)
 
+    # -- key matching -------------------------------------------------------------
+    # ``embedding``: rules, then the local model; ``rules``: rules alone; ``off``: keys
+    # match only when equal after case and separators.
+    key_matching: Literal["embedding", "rules", "off"] = "embedding"
+    # Cosine similarity of the phrases about two keys at or above which they are one key
+    # (the rules and the contrast-word veto decide first); the strict one applies to keys
+    # that share words but are about another thing (favorite_movie / favorite_book).
+    key_match_threshold: float = Field(default=0.70, gt=0, le=1)
+    key_match_strict_threshold: float = Field(default=0.90, gt=0, le=1)
+    # The ONNX file to use instead of the one the model package installs.
+    key_matching_model_path: str | None = None
+
     # -- operations ---------------------------------------------------------------
     metrics_port: int = Field(default=9540, ge=1, le=65535)
     # Every interface by default, so Prometheus on another host (or container) can

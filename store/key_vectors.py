@@ -1,0 +1,74 @@
+"""Queries on ``dream_key_vectors``: the key-matching model's vectors, computed once.
+
+A sweep over users whose keys were all seen before reads vectors and runs no model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sqlalchemy import Connection, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from store.models import KeyVector
+from worker.keymatch import KeyMatcher
+
+MAX_NORM_KEY = 512
+# Keeps each IN list and insert well inside every driver's parameter limit.
+BATCH = 500
+
+
+def load(session: Session, model: str, norm_keys: Iterable[str]) -> dict[str, bytes]:
+    """The stored vectors of these rules forms (those never stored are absent)."""
+    wanted = sorted({k for k in norm_keys if len(k) <= MAX_NORM_KEY})
+    found: dict[str, bytes] = {}
+    for start in range(0, len(wanted), BATCH):
+        rows = session.execute(
+            select(KeyVector.norm_key, KeyVector.vector).where(
+                KeyVector.model == model, KeyVector.norm_key.in_(wanted[start : start + BATCH])
+            )
+        )
+        found.update({key: bytes(vector) for key, vector in rows})
+    return found
+
+
+def save(session: Session, model: str, vectors: Mapping[str, bytes]) -> None:
+    """Store new vectors; one another worker stored first is kept, in key order.
+
+    On PostgreSQL they are committed at once in a transaction of their own: they hold
+    nothing about any user, and inside the caller's long transaction a second worker
+    storing the same keys would wait for all of that transaction to end."""
+    rows = [{"model": model, "norm_key": k, "vector": v} for k, v in sorted(vectors.items()) if len(k) <= MAX_NORM_KEY]
+    if not rows:
+        return
+    bind = session.get_bind()
+    if bind.dialect.name != "postgresql":
+        # SQLite has one writer: a second connection would wait for the caller's.
+        _insert(session, sqlite_insert, rows)
+        return
+    with Session(bind=bind.engine if isinstance(bind, Connection) else bind) as own, own.begin():
+        _insert(own, pg_insert, rows)
+
+
+def _insert(session: Session, builder: Any, rows: list[dict[str, Any]]) -> None:
+    for start in range(0, len(rows), BATCH):
+        session.execute(builder(KeyVector).values(rows[start : start + BATCH]).on_conflict_do_nothing())
+
+
+def prepare(session: Session, matcher: KeyMatcher, keys: Iterable[str]) -> int:
+    """Give ``matcher`` a vector for every key: from its memory, else this table, else the
+    model (whose new vectors are stored here, in the caller's transaction). Returns how
+    many keys the model ran on. Nothing to do for a matcher without a model."""
+    model = matcher.model_id
+    if model is None:
+        return 0
+    missing = matcher.missing(keys)
+    if not missing:
+        return 0
+    matcher.remember(load(session, model, missing))
+    computed = matcher.embed(missing)
+    save(session, model, computed)
+    return len(computed)

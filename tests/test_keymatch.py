@@ -1,0 +1,262 @@
+"""Key matching: the rules form, the contrast-word veto, and the matcher's answers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import text
+from structlog.testing import capture_logs
+
+from store import key_vectors
+from store.db import session_scope
+from tests.key_pairs import DIFFERENT, SAME
+from worker.keymatch import KeyMatcher, forget_matchers, get_matcher, rules
+from worker.keymatch.embedding import default_model_path
+from worker.settings import Settings
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("favorite_color", "Favourite-Colours"),
+        ("favorite_color", "favoriteColor"),
+        ("favorite_color", "fav colour"),
+        ("date_of_birth", "DOB"),
+        ("timezone", "time_zone"),
+        ("timezone", "TZ"),
+        ("hobby", "Hobbies"),
+        ("phone_number", "mobile no"),
+        ("neighborhood", "neighbourhoods"),
+        ("last_name", "surname"),
+    ],
+)
+def test_rules_make_one_key_of_case_separators_spelling_plurals_and_abbreviations(a: str, b: str) -> None:
+    assert rules.normalise(a) == rules.normalise(b)
+    matcher = KeyMatcher(mode="rules")
+    assert matcher.same(a, b)
+    assert matcher.find(b, ["unrelated", a]) == a
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("first_name", "last_name"),
+        ("home_city", "work_city"),
+        ("dog_name", "cat_name"),
+        ("start_date", "end_date"),
+        ("min_temperature", "max_temperature"),
+        ("previous_employer", "current_employer"),
+        ("favorite_food", "least_favorite_food"),
+        ("phone_1", "phone_2"),
+        ("mother_name", "father_name"),
+    ],
+)
+def test_keys_that_differ_in_a_contrasting_word_never_match(a: str, b: str) -> None:
+    assert rules.contrasting(a, b)
+    assert not KeyMatcher(mode="rules").same(a, b)
+
+
+def test_keys_that_only_share_words_are_not_vetoed() -> None:
+    assert not rules.contrasting("home_city", "city")
+    assert not rules.contrasting("birthday", "date_of_birth")
+    assert not rules.contrasting("favorite_color", "favourite_colour")
+
+
+def test_find_prefers_the_identical_key_and_answers_none_without_a_match() -> None:
+    matcher = KeyMatcher(mode="rules")
+    assert matcher.find("Favorite_Color", ["favorite_color", "Favorite_Color"]) == "Favorite_Color"
+    assert matcher.find("shoe_size", ["favorite_color", "home_city"]) is None
+    assert matcher.find("anything", []) is None
+
+
+def test_groups_pick_one_representative_whatever_the_order() -> None:
+    matcher = KeyMatcher(mode="rules")
+    keys = ["Favourite-Colour", "favorite_color", "first_name", "last_name", "FavoriteColors"]
+    forward = matcher.groups(keys)
+    backward = matcher.groups(list(reversed(keys)))
+    assert forward == backward
+    assert len({forward[k] for k in ("Favourite-Colour", "favorite_color", "FavoriteColors")}) == 1
+    assert forward["first_name"] == "first_name"
+    assert forward["last_name"] == "last_name"
+
+
+def test_rules_form_is_stable_when_applied_again() -> None:
+    for key in [*rules._ABBREVIATIONS, *rules._SPELLING, "zip_code", "Favourite-Colours", "phone_no"]:
+        assert rules.normalise(rules.normalise(key)) == rules.normalise(key), key
+
+
+def test_off_compares_case_and_separators_only() -> None:
+    matcher = KeyMatcher(mode="off")
+    assert matcher.same("Favorite-Color", "favorite_color")
+    assert not matcher.same("favorite_color", "favourite_colour")
+    assert not matcher.same("dob", "date_of_birth")
+
+
+# -- with the local model ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_matcher() -> KeyMatcher:
+    forget_matchers()
+    matcher = get_matcher(Settings(key_matching="embedding"))
+    assert matcher.embedder is not None, "the key-matching model did not load"
+    return matcher
+
+
+def _scores(matcher: KeyMatcher) -> tuple[int, int, int]:
+    """(true positives, false positives, false negatives) over the labelled pairs."""
+    tp = sum(matcher.same(a, b) for a, b in SAME)
+    fp = sum(matcher.same(a, b) for a, b in DIFFERENT)
+    return tp, fp, len(SAME) - tp
+
+
+def test_labelled_pairs_precision_is_total_and_recall_at_least_90_percent(model_matcher: KeyMatcher) -> None:
+    tp, fp, fn = _scores(model_matcher)
+    wrong = [pair for pair in DIFFERENT if model_matcher.same(*pair)]
+    assert fp == 0, f"keys that are different facts were matched: {wrong}"
+    assert tp / (tp + fn) >= 0.90, f"recall {tp}/{tp + fn}"
+
+
+def test_rules_alone_miss_what_the_model_finds(model_matcher: KeyMatcher) -> None:
+    rules_only = KeyMatcher(mode="rules")
+    rules_tp, rules_fp, _ = _scores(rules_only)
+    model_tp, _, _ = _scores(model_matcher)
+    assert rules_fp == 0
+    assert rules_tp < model_tp
+    assert not rules_only.same("birthday", "date_of_birth")
+    assert model_matcher.same("birthday", "date_of_birth")
+
+
+def test_find_returns_the_existing_key_that_means_the_proposed_one(model_matcher: KeyMatcher) -> None:
+    existing = ["first_name", "date_of_birth", "city_of_residence", "work_city", "favorite_food"]
+    assert model_matcher.find("birthday", existing) == "date_of_birth"
+    assert model_matcher.find("home_city", existing) == "city_of_residence"
+    assert model_matcher.find("last_name", existing) is None
+    assert model_matcher.find("favorite_book", existing) is None
+
+
+def test_groups_never_chain_contrasting_keys_through_a_common_neighbour(model_matcher: KeyMatcher) -> None:
+    keys = ["name", "first_name", "last_name", "birthday", "date_of_birth", "DOB", "home_city", "work_city"]
+    groups = model_matcher.groups(keys)
+    assert groups["first_name"] != groups["last_name"]
+    assert groups["home_city"] != groups["work_city"]
+    assert groups["birthday"] == groups["date_of_birth"] == groups["DOB"]
+    assert groups == model_matcher.groups(list(reversed(keys)))
+
+
+# -- when the model cannot be used ---------------------------------------------------
+
+
+def _fallback_count(reason: str) -> float:
+    value = REGISTRY.get_sample_value("dream_key_model_unavailable_total", {"reason": reason})
+    return value or 0.0
+
+
+@pytest.mark.parametrize("damage", ["missing", "checksum"])
+def test_missing_or_damaged_model_file_leaves_the_rules_with_a_warning_and_a_count(
+    damage: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "model.onnx"
+    if damage == "checksum":
+        original = default_model_path()
+        assert original is not None
+        data = bytearray(original.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    forget_matchers()
+    before = _fallback_count(damage)
+    settings = Settings(key_matching="embedding", key_matching_model_path=str(path))
+    with capture_logs() as logs:
+        matcher = get_matcher(settings)
+        again = get_matcher(settings)
+    assert again is matcher
+    assert matcher.embedder is None
+    assert _fallback_count(damage) == before + 1
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1 and warnings[0]["reason"] == damage
+    assert matcher.same("Favourite-Colour", "favorite_color")
+    assert not matcher.same("birthday", "date_of_birth")
+    assert matcher.groups(["first_name", "last_name"]) == {"first_name": "first_name", "last_name": "last_name"}
+    forget_matchers()
+
+
+def test_missing_onnxruntime_leaves_the_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry makes ``import onnxruntime`` raise ImportError, as on a host without it.
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    forget_matchers()
+    before = _fallback_count("runtime")
+    matcher = get_matcher(Settings(key_matching="embedding"))
+    assert matcher.embedder is None
+    assert _fallback_count("runtime") == before + 1
+    assert matcher.same("DOB", "date_of_birth")
+    forget_matchers()
+
+
+def test_rules_setting_never_loads_the_model() -> None:
+    forget_matchers()
+    before = sum(_fallback_count(r) for r in ("missing", "checksum", "runtime", "broken"))
+    matcher = get_matcher(Settings(key_matching="rules"))
+    assert matcher.embedder is None and matcher.model_id is None
+    assert sum(_fallback_count(r) for r in ("missing", "checksum", "runtime", "broken")) == before
+    forget_matchers()
+
+
+def test_worker_main_process_preloads_the_matcher_and_forked_children_use_it(tmp_path: Path) -> None:
+    # A fresh interpreter, as `celery worker` starts: the hook loads the model there, and
+    # a forked child (a pool process) answers with it without loading anything again.
+    script = (
+        "import os, sys\n"
+        "from worker import celery_hooks\n"
+        "from worker.keymatch import get_matcher\n"
+        "from worker.settings import get_settings\n"
+        "celery_hooks._preload_key_matcher(get_settings())\n"
+        "matcher = get_matcher(get_settings())\n"
+        "assert matcher.embedder is not None\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    child = get_matcher(get_settings())\n"
+        "    ok = child is matcher and child.same('birthday', 'date_of_birth')\n"
+        "    os._exit(0 if ok else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.waitstatus_to_exitcode(status))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "LITELLM_LOCAL_MODEL_COST_MAP": "True", "REVERIE_LOG_FORMAT": "json"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "child 0"
+    assert "key matcher preloaded" in done.stderr + done.stdout
+
+
+def test_key_matching_benchmark_quick_mode_meets_its_goals() -> None:
+    from bench.key_matching import measure
+
+    rows = measure(quick=True)
+    assert [r.what for r in rows if r.passed is False] == []
+    assert sum(r.passed is True for r in rows) == 2
+
+
+def test_stored_vectors_are_committed_at_once_not_with_the_callers_long_transaction(pg_settings: Settings) -> None:
+    # Two pool processes dreaming chunks that share keys must not wait for each other's
+    # whole chunk: the vectors are visible to others while the caller's work goes on.
+    vector = bytes(range(16))
+    with session_scope(pg_settings) as long_running:
+        key_vectors.save(long_running, "test-model", {"date_of_birth": vector})
+        with session_scope(pg_settings) as other:
+            assert key_vectors.load(other, "test-model", ["date_of_birth"]) == {"date_of_birth": vector}
+            # Storing it again from elsewhere neither waits nor fails.
+            other.execute(text("SET LOCAL lock_timeout = '2s'"))
+            key_vectors.save(other, "test-model", {"date_of_birth": bytes(16)})
+        long_running.rollback()
+    with session_scope(pg_settings) as after:
+        assert key_vectors.load(after, "test-model", ["date_of_birth"]) == {"date_of_birth": vector}

@@ -1,0 +1,327 @@
+"""Memory keys matched by meaning, at no model cost.
+
+One matcher answers "do these two keys name the same fact about the user?" for every
+place that compares keys: writes, contradiction detection and feedback recurrence.
+
+- Rules first (:mod:`worker.keymatch.rules`): case, separators, British and American
+  spelling, plurals and common abbreviations make ``Favourite-Colours`` and
+  ``favorite_color`` one key. Keys that differ in a contrasting word (``first_name`` /
+  ``last_name``, ``home_city`` / ``work_city``) are never one key.
+- Then, where the rules leave it open, a small local embedding model
+  (:mod:`worker.keymatch.embedding`) compares short phrases about the user built from
+  the keys (``the user's home city``): at or above ``key_match_threshold`` they are one
+  key; keys that share words but are about another thing (``favorite_movie`` /
+  ``favorite_book``) need ``key_match_strict_threshold``.
+
+With ``REVERIE_KEY_MATCHING=rules`` (or when the model cannot be loaded) the rules
+alone decide; with ``off`` keys match only when equal after case and separators.
+
+Vectors are kept per rules form, in memory and (through :mod:`store.key_vectors`) in
+``dream_key_vectors``, so a key is run through the model once.
+
+This package is part of the kernel: it imports nothing from the Celery app, the CLI
+or the demo.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import structlog
+
+from worker.errors import KeyModelUnavailable
+from worker.keymatch import rules
+from worker.settings import Settings
+
+if TYPE_CHECKING:
+    from worker.keymatch.embedding import Embedder, Vectors
+
+Mode = Literal["embedding", "rules", "off"]
+
+log = structlog.get_logger("reverie.keymatch")
+
+_SEPARATORS = re.compile(r"[\s_.\-]+")
+# Keys a process remembers vectors for; beyond it the memory starts again (about 1.5 KB each).
+MEMORY_VECTORS = 20_000
+
+
+def _plain(key: str) -> str:
+    """Case and separators only: how keys were compared before any matching."""
+    return _SEPARATORS.sub("_", key.strip().lower()).strip("_")
+
+
+class KeyMatcher:
+    """Decides whether keys mean the same fact. Safe to share between threads.
+
+    Without an embedder (``mode`` ``rules`` or ``off``, or a model that failed to load)
+    only the rules match keys.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: Mode = "rules",
+        embedder: Embedder | None = None,
+        threshold: float = 0.70,
+        strict_threshold: float = 0.90,
+    ) -> None:
+        self.mode: Mode = mode
+        self.embedder = embedder if mode == "embedding" else None
+        self.threshold = threshold
+        self.strict_threshold = strict_threshold
+        self._lock = threading.Lock()
+        # Every rules form with a vector: its row in ``_matrix``, and the known rules forms
+        # it matches (with their similarity), found once when it was added.
+        self._norms: list[str] = []
+        self._index: dict[str, int] = {}
+        self._matrix: Any = None
+        self._matches: dict[str, dict[str, float]] = {}
+
+    # -- the rules ------------------------------------------------------------------
+
+    def normalise(self, key: str) -> str:
+        """The key's rules form (``Date-Of-Birth``, ``DOB`` -> ``date_of_birth``);
+        under ``off``, only case and separators are normalised."""
+        if self.mode == "off":
+            return _plain(key)
+        return rules.normalise(key)
+
+    @staticmethod
+    def phrase(norm: str) -> str:
+        """What the model embeds for a key in rules form: a phrase about the user."""
+        return "the user's " + norm.replace("_", " ")
+
+    # -- vectors --------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str | None:
+        """Names the model and phrase form that vectors come from (None: rules only)."""
+        return None if self.embedder is None else self.embedder.model_id
+
+    def missing(self, keys: Iterable[str]) -> list[str]:
+        """The rules forms of ``keys`` that have no vector in this process yet."""
+        if self.embedder is None:
+            return []
+        with self._lock:
+            return sorted({n for n in map(self.normalise, keys) if n not in self._index})
+
+    def remember(self, vectors: Mapping[str, bytes]) -> None:
+        """Take vectors (rules form -> float32 bytes) read from the cache table."""
+        if self.embedder is None or not vectors:
+            return
+        import numpy as np
+
+        norms = sorted(vectors)
+        self._add(norms, np.stack([np.frombuffer(vectors[n], dtype=np.float32) for n in norms]))
+
+    def embed(self, norms: Iterable[str]) -> dict[str, bytes]:
+        """Run the model on rules forms it has no vector for; returns the new vectors as
+        bytes (for the cache table) and remembers them."""
+        if self.embedder is None:
+            return {}
+        todo = self.missing(norms)
+        if not todo:
+            return {}
+        from worker import metrics
+
+        computed = self.embedder.embed([self.phrase(n) for n in todo])
+        metrics.KEY_EMBEDDINGS.inc(len(todo))
+        self._add(todo, computed)
+        return {norm: vector.tobytes() for norm, vector in zip(todo, computed, strict=True)}
+
+    def _add(self, norms: list[str], vectors: Vectors) -> None:
+        """Remember vectors and find, once, which known keys each new one matches: the
+        answers below are then lookups, however many users share the keys."""
+        import numpy as np
+
+        with self._lock:
+            fresh = [i for i, n in enumerate(norms) if n not in self._index]
+            if not fresh:
+                return
+            if len(self._norms) + len(fresh) > MEMORY_VECTORS:
+                self._norms, self._index, self._matches = [], {}, {}
+            new_norms = [norms[i] for i in fresh]
+            base = len(self._norms)
+            added = np.asarray(vectors[fresh], dtype=np.float32)
+            self._matrix = np.vstack([self._matrix, added]) if base else added
+            for offset, norm in enumerate(new_norms):
+                self._norms.append(norm)
+                self._index[norm] = base + offset
+                self._matches[norm] = {}
+            scores = self._matrix[base:] @ self._matrix.T
+            lowest = min(self.threshold, self.strict_threshold)
+            for row, col in zip(*np.nonzero(scores >= lowest), strict=True):
+                a, b = new_norms[row], self._norms[col]
+                score = float(scores[row, col])
+                if a != b and self._decide(a, b, score):
+                    self._matches[a][b] = score
+                    self._matches[b][a] = score
+
+    def _ensure(self, norms: Iterable[str]) -> None:
+        """Vectors for rules forms not seen yet (a model run, not stored in the table)."""
+        if self.embedder is not None:
+            self.embed(norms)
+
+    # -- answers --------------------------------------------------------------------
+
+    def _decide(self, a: str, b: str, similarity: float | None) -> bool:
+        """``a`` and ``b`` in rules form, different; ``similarity`` None: rules only."""
+        if similarity is None or rules.contrasting(a, b):
+            return False
+        needed = self.strict_threshold if rules.other_slot(a, b) else self.threshold
+        return similarity >= needed
+
+    def similarity(self, a: str, b: str) -> float | None:
+        """Cosine similarity of the phrases about two keys (None: no model)."""
+        if self.embedder is None:
+            return None
+        na, nb = self.normalise(a), self.normalise(b)
+        self._ensure([na, nb])
+        with self._lock:
+            return float(self._matrix[self._index[na]] @ self._matrix[self._index[nb]])
+
+    def _matched(self, norm: str) -> dict[str, float]:
+        with self._lock:
+            return dict(self._matches.get(norm, {}))
+
+    def same(self, a: str, b: str) -> bool:
+        """True when the two keys mean the same fact about the user."""
+        na, nb = self.normalise(a), self.normalise(b)
+        if a == b or na == nb:
+            return True
+        if self.embedder is None or rules.contrasting(na, nb):
+            return False
+        self._ensure([na, nb])
+        return nb in self._matched(na)
+
+    def find(self, proposed: str, existing: Sequence[str]) -> str | None:
+        """The key of ``existing`` that means ``proposed`` (the best match: the identical
+        key, else one with the same rules form, else the closest by meaning), or None.
+
+        Costs one model run for each rules form never seen before (none for keys whose
+        vectors were read from the cache table), then a lookup."""
+        if proposed in existing:
+            return proposed
+        norm = self.normalise(proposed)
+        norms = [self.normalise(key) for key in existing]
+        for key, other in zip(existing, norms, strict=True):
+            if other == norm:
+                return key
+        if self.embedder is None or not existing:
+            return None
+        self._ensure([norm, *norms])
+        matched = self._matched(norm)
+        scored = [(matched[other], key) for key, other in zip(existing, norms, strict=True) if other in matched]
+        return max(scored, key=lambda pair: pair[0])[1] if scored else None
+
+    def groups(self, keys: Sequence[str]) -> dict[str, str]:
+        """Each key -> the representative key of its meaning-group (the group's smallest
+        key by rules form, then by spelling, so the choice does not depend on order).
+
+        Keys with one rules form are one group; with the model, two groups join only
+        when every pair across them matches, so ``name`` cannot chain ``first_name`` to
+        ``last_name``."""
+        norm_of = {key: self.normalise(key) for key in keys}
+        by_norm: dict[str, list[str]] = {}
+        for key, norm in norm_of.items():
+            by_norm.setdefault(norm, []).append(key)
+        representative: dict[str, str] = {}
+        clusters = self._cluster(list(by_norm)) if self.embedder is not None and len(by_norm) > 1 else None
+        if clusters is None:
+            for group in by_norm.values():
+                representative.update(dict.fromkeys(group, min(group)))
+            return representative
+        for cluster in clusters:
+            members = [key for norm in cluster for key in by_norm[norm]]
+            chosen = min(members, key=lambda k: (norm_of[k], k))
+            representative.update(dict.fromkeys(members, chosen))
+        return representative
+
+    def _cluster(self, norms: list[str]) -> list[list[str]] | None:
+        """Complete-link groups of rules forms (None: no two of them match)."""
+        self._ensure(norms)
+        present = set(norms)
+        with self._lock:
+            linked = [a for a in norms if (found := self._matches.get(a)) and not present.isdisjoint(found)]
+            if not linked:
+                return None
+            edges = sorted(
+                (
+                    (-score, a, b)
+                    for a in norms
+                    for b, score in self._matches.get(a, {}).items()
+                    if b in present and a < b
+                ),
+            )
+            matches = {a: set(self._matches.get(a, {})) for a in norms}
+        cluster_of = {n: n for n in norms}
+        members: dict[str, list[str]] = {n: [n] for n in norms}
+        for _, a, b in edges:
+            ca, cb = cluster_of[a], cluster_of[b]
+            if ca == cb:
+                continue
+            if all(y in matches[x] for x in members[ca] for y in members[cb]):
+                for y in members.pop(cb):
+                    cluster_of[y] = ca
+                    members[ca].append(y)
+        return [sorted(group) for group in members.values()]
+
+
+_lock = threading.Lock()
+_matchers: dict[tuple[object, ...], KeyMatcher] = {}
+_warned: set[tuple[object, ...]] = set()
+
+
+def _load_embedder(settings: Settings) -> Embedder | None:
+    ident = ("model", settings.key_matching_model_path)
+    try:
+        from worker.keymatch.embedding import Embedder
+
+        path = Path(settings.key_matching_model_path) if settings.key_matching_model_path else None
+        return Embedder(path)
+    except ImportError as exc:
+        failure = KeyModelUnavailable("runtime", f"{exc.name or 'numpy'} is not installed")
+    except KeyModelUnavailable as exc:
+        failure = exc
+    from worker import metrics
+
+    metrics.KEY_MODEL_UNAVAILABLE.labels(failure.reason).inc()
+    if ident not in _warned:
+        _warned.add(ident)
+        log.warning("key matching falls back to rules", reason=failure.reason, detail=failure.detail)
+    return None
+
+
+def get_matcher(settings: Settings) -> KeyMatcher:
+    """The process-wide matcher for these settings, built (and its model loaded) once.
+
+    A model that cannot be loaded leaves a rules-only matcher, a warning in the log and
+    a count in ``dream_key_model_unavailable_total``; it never raises."""
+    ident: tuple[object, ...] = (
+        settings.key_matching,
+        settings.key_match_threshold,
+        settings.key_match_strict_threshold,
+        settings.key_matching_model_path,
+    )
+    with _lock:
+        matcher = _matchers.get(ident)
+        if matcher is None:
+            embedder = _load_embedder(settings) if settings.key_matching == "embedding" else None
+            matcher = _matchers[ident] = KeyMatcher(
+                mode=settings.key_matching,
+                embedder=embedder,
+                threshold=settings.key_match_threshold,
+                strict_threshold=settings.key_match_strict_threshold,
+            )
+        return matcher
+
+
+def forget_matchers() -> None:
+    """Drop the process's matchers (the next :func:`get_matcher` loads again)."""
+    with _lock:
+        _matchers.clear()
+        _warned.clear()
