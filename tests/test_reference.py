@@ -210,7 +210,7 @@ def test_the_sql_insert_skips_a_duplicate_without_aborting_the_transaction(pg_se
     inserts = [block for block in blocks if "INSERT INTO dream_signals" in block]
     assert len(inserts) == 1, f"{NAME}, 'Queueing a signal', should hold one ```sql INSERT INTO dream_signals block"
     statement = inserts[0]
-    assert "ON CONFLICT (idempotency_key) DO NOTHING" in statement
+    assert "ON CONFLICT (user_id, idempotency_key) DO NOTHING" in statement
     with psycopg.connect(pg_settings.database_url.replace("+psycopg", "")) as conn:
         with conn.transaction():
             first = conn.execute(statement).rowcount
