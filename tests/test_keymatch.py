@@ -52,6 +52,9 @@ def test_rules_make_one_key_of_case_separators_spelling_plurals_and_abbreviation
         ("previous_employer", "current_employer"),
         ("favorite_food", "least_favorite_food"),
         ("phone_1", "phone_2"),
+        ("n0", "n1"),
+        ("note1", "note2"),
+        ("address_line", "address_line2"),
         ("mother_name", "father_name"),
     ],
 )

@@ -214,8 +214,9 @@ CONTRAST_CLASSES: tuple[frozenset[str], ...] = tuple(
 # One key negates what the other states: ``favorite_food`` / ``least_favorite_food``.
 _NEGATIONS = frozenset(("not", "non", "never", "least", "dis", "un", "anti", "without", "avoid", "dislike", "hate"))
 
-# Numbered keys (``phone_1``, ``phone_2``) are different slots of one kind.
+# Numbered keys (``phone_1``, ``phone_2``, ``n0``, ``n1``) are different slots of one kind.
 _DIGITS = re.compile(r"^\d+$")
+_DIGIT_RUNS = re.compile(r"\d+")
 
 
 def _singular(word: str) -> str:
@@ -286,6 +287,9 @@ def contrasting(a: str, b: str) -> bool:
     if (only_a & _NEGATIONS) or (only_b & _NEGATIONS):
         return True
     if any(_DIGITS.match(w) for w in only_a | only_b):
+        return True
+    # Numbers inside a word count too: ``n0``/``n1``, ``note1``/``note2``.
+    if sorted(_DIGIT_RUNS.findall("_".join(wa))) != sorted(_DIGIT_RUNS.findall("_".join(wb))):
         return True
     return any((only_a & words_) and (only_b & words_) for words_ in CONTRAST_CLASSES)
 
