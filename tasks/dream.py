@@ -24,6 +24,7 @@ from store.db import closing_transaction, get_engine, session_scope
 from store.runs import RunCounts
 from store.spend import BudgetLine
 from store.types import nano_to_usd, now, usd_to_nano
+from tasks import profiles
 from tasks.contradictions import detect, detect_many
 from tasks.prune import prune_user, prune_users
 from tasks.summarize import SummaryCounts, summarize_user
@@ -51,6 +52,8 @@ class RunOutcome:
     groups_deferred: int = 0
     cost_usd: float = 0.0
     error: str | None = None
+    # Profiles written for the user by this run (0: their memory had not changed).
+    profiles_built: int = 0
 
     def counts(self) -> RunCounts:
         return RunCounts(
@@ -123,6 +126,7 @@ def _run(
     try:
         _prune_and_detect(settings, user_id, policies=policies, owners=owners, at=at, outcome=outcome)
         _summarize(settings, user_id, token=token, ttl=ttl, policies=policies, owners=owners, outcome=outcome)
+        _refresh_profiles(settings, {user_id: outcome}, policies)
         outcome.status = "succeeded"
     except PermanentError as exc:
         outcome.status = "failed"
@@ -157,6 +161,22 @@ def _prune_and_detect(
     outcome.entries_pruned = pruned
     outcome.contradictions_found = found.found
     outcome.contradictions_resolved = found.resolved
+
+
+def _refresh_profiles(settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook) -> None:
+    """Rebuild the profiles of the users whose memory changed (one transaction). A
+    failure leaves the old profiles, and the next pass tries again (the fingerprint
+    still differs); it does not fail the runs, whose memory work is committed."""
+    try:
+        with session_scope(settings) as session:
+            made = profiles.refresh(session, settings, sorted(outcomes), book=policies)
+    except (TransientError, DatabaseUnavailable):
+        raise
+    except Exception as exc:
+        log.error("dream.profiles_failed", users=len(outcomes), error_type=type(exc).__name__)
+        return
+    for user_id, count in made.items():
+        outcomes[user_id].profiles_built = count
 
 
 def _summarizes(policies: PolicyBook) -> bool:
@@ -281,6 +301,7 @@ def dream_users(
     try:
         chunk.prune_and_detect()
         chunk.summarize(interrupts, budget_seconds)
+        chunk.refresh_profiles()
     finally:
         chunk.finish(time.monotonic() - started)
     # A user left out was busy or had their schedule row locked at that instant: the
@@ -369,6 +390,14 @@ class _Chunk:
                     # Worth another try soon (the next pass after the dirty delay), not
                     # at the user's next dream time a day away; a bug is not retried early.
                     self.carried.append(outcome.user_id)
+
+    def refresh_profiles(self) -> None:
+        """The profiles of the chunk's users whose memory changed, in one transaction."""
+        try:
+            _refresh_profiles(self.settings, self.outcomes, self.policies)
+        except (TransientError, DatabaseUnavailable) as exc:
+            # The runs' own work is committed; the profiles are rebuilt on the next pass.
+            log.warning("dream.profiles_deferred", users=len(self.outcomes), error_type=type(exc).__name__)
 
     def _carry(self, rest: list[RunOutcome]) -> None:
         # Pruned and checked, not summarized (time is up): the next pass summarizes them.
