@@ -167,6 +167,7 @@ def _refresh_profiles(settings: Settings, outcomes: dict[str, RunOutcome], polic
     """Rebuild the profiles of the users whose memory changed (one transaction). A
     failure leaves the old profiles, and the next pass tries again (the fingerprint
     still differs); it does not fail the runs, whose memory work is committed."""
+    started = time.monotonic()
     try:
         with session_scope(settings) as session:
             made = profiles.refresh(session, settings, sorted(outcomes), book=policies)
@@ -175,8 +176,12 @@ def _refresh_profiles(settings: Settings, outcomes: dict[str, RunOutcome], polic
     except Exception as exc:
         log.error("dream.profiles_failed", users=len(outcomes), error_type=type(exc).__name__)
         return
-    for user_id, count in made.items():
-        outcomes[user_id].profiles_built = count
+    metrics.PROFILE_BUILD_DURATION.observe(time.monotonic() - started)
+    for user_id, built in made.items():
+        outcomes[user_id].profiles_built = len(built)
+        metrics.PROFILES_BUILT.inc(len(built))
+        for tokens in built:
+            metrics.PROFILE_TOKENS.observe(tokens)
 
 
 def _summarizes(policies: PolicyBook) -> bool:

@@ -135,9 +135,11 @@ def budget_for(settings: Settings) -> int:
     return settings.profile_token_budget
 
 
-def refresh(session: Session, settings: Settings, user_ids: Collection[str], *, book: PolicyBook) -> dict[str, int]:
+def refresh(
+    session: Session, settings: Settings, user_ids: Collection[str], *, book: PolicyBook
+) -> dict[str, list[int]]:
     """Rebuild the profiles of the users among ``user_ids`` whose memory changed since
-    their profiles were built; returns, per rebuilt user, how many profiles it has now.
+    their profiles were built; returns, per rebuilt user, the tokens of each profile it has now.
 
     A set-based look finds the changed users (unchanged ones cost nothing more); their
     rows are read in one statement and their profiles replaced in one delete and one
@@ -163,16 +165,17 @@ def refresh(session: Session, settings: Settings, user_ids: Collection[str], *, 
     budget = budget_for(settings)
     tokenizer = llm.model_name(settings)
     fresh: list[dict[str, Any]] = []
-    made: dict[str, int] = {}
+    made: dict[str, list[int]] = {}
     for user_id, mine in by_user.items():
         # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
         print_ = Fingerprint.of(mine)
         shown = [r for r in mine if not r.stale]
         agents = sorted({r.source_agent_id for r in shown if r.source_agent_id} - {NO_AGENT})
+        made[user_id] = []
         for agent in [NO_AGENT, *agents]:
             built = build(visible_to(shown, agent), budget, count)
             fresh.append(_row(user_id, agent, built, tokenizer=tokenizer, at=at, print_=print_))
-        made[user_id] = 1 + len(agents)
+            made[user_id].append(built.tokens)
     profile_store.replace_profiles(session, changed, fresh)
     return made
 

@@ -13,6 +13,7 @@ from typing import Any
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 from sqlalchemy import delete, select, update
 
 from store.db import session_scope
@@ -39,7 +40,7 @@ def _stored(settings: Settings, user: str) -> dict[str, Profile]:
     return {row.agent_id: row for row in rows}
 
 
-def _refresh(settings: Settings, users: list[str]) -> dict[str, int]:
+def _refresh(settings: Settings, users: list[str]) -> dict[str, list[int]]:
     with session_scope(settings) as session:
         return profiles.refresh(session, settings, users, book=book(settings, {}))
 
@@ -90,14 +91,17 @@ def test_only_users_whose_memory_changed_are_rebuilt(pg_settings: Settings) -> N
     assert first == {"u1": 3, "u2": 3}
     built = {u: _stored(pg_settings, u)[""].built_at for u in ("u1", "u2")}
 
+    built_before = REGISTRY.get_sample_value("dream_profiles_built_total") or 0.0
     again = {o.user_id: o.profiles_built for o in dream_users(pg_settings, ["u1", "u2"])}
     assert again == {"u1": 0, "u2": 0}
+    assert (REGISTRY.get_sample_value("dream_profiles_built_total") or 0.0) == built_before
     assert {u: _stored(pg_settings, u)[""].built_at for u in ("u1", "u2")} == built
 
     table = table_for(pg_settings)
     with session_scope(pg_settings) as session:  # the application's own write
         session.execute(update(table).where(table.c.user_id == "u1", table.c.key == "home_city").values(value="Porto"))
     assert {o.user_id: o.profiles_built for o in dream_users(pg_settings, ["u1", "u2"])} == {"u1": 3, "u2": 0}
+    assert REGISTRY.get_sample_value("dream_profiles_built_total") == built_before + 3
     assert "Porto" in _stored(pg_settings, "u1")["agent-a"].text
 
     with session_scope(pg_settings) as session:  # the application deletes agent-b's entries
