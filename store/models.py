@@ -347,6 +347,35 @@ class ActivityEvent(Base):
     __table_args__ = (Index("ix_dream_activity_user_id_action_at", "user_id", "action", "at"),)
 
 
+class Profile(Base):
+    """Prompt-ready memory of one user as one agent sees it (``agent_id`` '' : the
+    agent-less profile, global entries only), rebuilt when the user's memory changes.
+
+    ``layout`` holds what a reader needs to cut the text to a smaller budget without a
+    tokenizer: the included lines in ranked order with their token counts, the section
+    headers' counts and the left-out line's. The ``source_*`` columns are the
+    fingerprint of the user's rows the profile was built from.
+    """
+
+    __tablename__ = "dream_profiles"
+
+    user_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    agent_id: Mapped[str] = mapped_column(String(255), primary_key=True, server_default="")
+    text: Mapped[str] = mapped_column(Text)
+    tokens: Mapped[int] = mapped_column(Integer)
+    budget: Mapped[int] = mapped_column(Integer)
+    entries_included: Mapped[int] = mapped_column(Integer)
+    entries_left_out: Mapped[int] = mapped_column(Integer)
+    layout: Mapped[dict[str, Any]]
+    tokenizer: Mapped[str] = mapped_column(String(255))
+    built_at: Mapped[datetime] = mapped_column(server_default=utcnow())
+    source_rows: Mapped[int] = mapped_column(Integer, server_default="0")
+    source_updated_at: Mapped[datetime | None]
+    source_recalls: Mapped[int] = mapped_column(BigId, server_default="0")
+    source_conflicted: Mapped[int] = mapped_column(Integer, server_default="0")
+    source_content: Mapped[int] = mapped_column(BigId, server_default="0")
+
+
 DREAM_TABLES: tuple[Table, ...] = tuple(Base.metadata.sorted_tables)
 
 # -- the shared memory table -------------------------------------------------------

@@ -24,6 +24,7 @@ from store.db import closing_transaction, get_engine, session_scope
 from store.runs import RunCounts
 from store.spend import BudgetLine
 from store.types import db_now, nano_to_usd, usd_to_nano
+from tasks import profiles
 from tasks.contradictions import ContradictionCounts, detect, detect_many
 from tasks.leases import LeaseKeeper
 from tasks.prune import prune_user, prune_users
@@ -52,6 +53,8 @@ class RunOutcome:
     groups_deferred: int = 0
     cost_usd: float = 0.0
     error: str | None = None
+    # Profiles written for the user by this run (0: their memory had not changed).
+    profiles_built: int = 0
 
     def counts(self) -> RunCounts:
         return RunCounts(
@@ -125,6 +128,7 @@ def _run(
     try:
         _prune_and_detect(settings, user_id, keeper=keeper, policies=policies, owners=owners, at=at, outcome=outcome)
         _summarize(settings, user_id, keeper=keeper, policies=policies, owners=owners, outcome=outcome)
+        _refresh_profiles(settings, {user_id: outcome}, policies, keeper)
         outcome.status = "succeeded"
     except (PermanentError, LeaseLost) as exc:
         outcome.status = "failed"
@@ -164,6 +168,31 @@ def _prune_and_detect(
     outcome.entries_pruned = pruned
     outcome.contradictions_found = found.found
     outcome.contradictions_resolved = found.resolved
+
+
+def _refresh_profiles(
+    settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook, keeper: LeaseKeeper
+) -> None:
+    """Rebuild the profiles of the users whose memory changed (one transaction), only
+    for users whose lease the run still holds (an erased user never gets one back). A
+    failure leaves the old profiles, and the next pass tries again (the fingerprint
+    still differs); it does not fail the runs, whose memory work is committed."""
+    started = time.monotonic()
+    try:
+        with session_scope(settings) as session:
+            held = keeper.hold_many(session, sorted(outcomes))
+            made = profiles.refresh(session, settings, held, book=policies)
+    except (TransientError, DatabaseUnavailable):
+        raise
+    except Exception as exc:
+        log.error("dream.profiles_failed", users=len(outcomes), error_type=type(exc).__name__)
+        return
+    metrics.PROFILE_BUILD_DURATION.observe(time.monotonic() - started)
+    for user_id, built in made.items():
+        outcomes[user_id].profiles_built = len(built)
+        metrics.PROFILES_BUILT.inc(len(built))
+        for tokens in built:
+            metrics.PROFILE_TOKENS.observe(tokens)
 
 
 def _summarizes(policies: PolicyBook) -> bool:
@@ -316,6 +345,7 @@ def dream_users(
         try:
             chunk.prune_and_detect()
             chunk.summarize(interrupts, budget_seconds)
+            chunk.refresh_profiles()
         finally:
             chunk.finish(time.monotonic() - started)
     # A user left out was busy or had their schedule row locked at that instant: the
@@ -429,6 +459,14 @@ class _Chunk:
                     # Worth another try soon (the next pass after the dirty delay), not
                     # at the user's next dream time a day away; a bug is not retried early.
                     self.carried.append(outcome.user_id)
+
+    def refresh_profiles(self) -> None:
+        """The profiles of the chunk's users whose memory changed, in one transaction."""
+        try:
+            _refresh_profiles(self.settings, self.outcomes, self.policies, self.keeper)
+        except (TransientError, DatabaseUnavailable) as exc:
+            # The runs' own work is committed; the profiles are rebuilt on the next pass.
+            log.warning("dream.profiles_deferred", users=len(self.outcomes), error_type=type(exc).__name__)
 
     def _carry(self, rest: list[RunOutcome]) -> None:
         # Pruned and checked, not summarized (time is up): the next pass summarizes them.

@@ -19,6 +19,13 @@ CONTRADICTIONS_FOUND = Counter("dream_contradictions_found_total", "New contradi
 ENTRIES_SUMMARIZED = Counter("dream_entries_summarized_total", "Memory entries replaced by summaries.")
 CYCLES_FAILED = Counter("dream_cycles_failed_total", "Dream runs that ended in failure.")
 DURATION = Histogram("dream_duration_seconds", "Wall time of one user's dream run.", buckets=DURATION_BUCKETS)
+PROFILES_BUILT = Counter("dream_profiles_built_total", "Profiles written for users whose memory changed.")
+PROFILE_BUILD_DURATION = Histogram(
+    "dream_profile_build_seconds", "Wall time of one profile refresh (a chunk or one user).", buckets=DURATION_BUCKETS
+)
+PROFILE_TOKENS = Histogram(
+    "dream_profile_tokens", "Tokens of each profile built.", buckets=(50, 100, 250, 500, 1000, 2000, 4000, 8000, 16000)
+)
 
 SIGNALS_PROCESSED = Counter(
     "dream_signals_processed_total", "Signals processed, by kind and outcome.", ["kind", "outcome"]

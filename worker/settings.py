@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     cross_agent_maintenance: bool = False
     protected_categories: str = "property,legacy"
     dream_interval_hours: float = Field(default=24.0, gt=0)
+    # Tokens a profile (prompt-ready memory per user and agent) may hold.
+    profile_token_budget: int = Field(default=2000, ge=1, le=1_000_000)
 
     # -- signals ------------------------------------------------------------------
     allowed_categories: str = "preference,fact,context"

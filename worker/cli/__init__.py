@@ -9,7 +9,7 @@ from __future__ import annotations
 from worker.cli.common import app, fail
 
 # Each module registers its commands on ``app``.
-from worker.cli import dream_cmds, erase_cmds, health_cmds, service_cmds, signal_cmds, store_cmds  # noqa: F401  isort: skip
+from worker.cli import dream_cmds, erase_cmds, health_cmds, profile_cmds, service_cmds, signal_cmds, store_cmds  # noqa: F401  isort: skip
 
 
 def main(argv: list[str] | None = None) -> None:

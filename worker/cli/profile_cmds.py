@@ -1,0 +1,39 @@
+"""``reverie profile``."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from worker.cli.common import app, fail, load_settings
+
+
+@app.command("profile")
+def profile(
+    user: Annotated[str, typer.Argument(help="The user whose profile is shown.")],
+    agent: Annotated[str | None, typer.Option("--agent", help="As this agent sees it (default: global only).")] = None,
+    budget: Annotated[int | None, typer.Option("--budget", help="At most this many tokens.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The user's prompt-ready memory as an agent sees it, under a token budget.
+
+    A user with no profile yet prints one line saying so (exit 1); with --json, an
+    empty profile (built_at null, exit 1).
+    """
+    from worker.profiles_reader import get_for_prompt
+
+    if budget is not None and budget < 0:
+        fail("--budget must be at least 0", code=2)
+    settings = load_settings()
+    found = get_for_prompt(user, agent, budget, settings=settings)
+    if as_json:
+        print(json.dumps(found.to_json(), ensure_ascii=False))
+        if found.built_at is None:
+            raise SystemExit(1)
+        return
+    if found.built_at is None:
+        who = f" for agent {agent}" if agent else ""
+        fail(f"no profile yet for user {user}{who}: it is built by the next dream of that user")
+    print(found.text, end="")

@@ -1,0 +1,157 @@
+"""The profile's text format, and the cut to a token budget, shared by the builder and
+the readers (no tokenizer here: token counts come in with the lines).
+
+A profile is Markdown: fixed sections in a fixed order, one line per entry, and a last
+line saying how many entries were left out. Entries arrive ranked (most important
+first); a cut keeps the longest prefix of that ranking whose estimated tokens fit the
+budget, so a reader holding the stored lines and counts cuts exactly as the builder
+would at that budget.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+SECTIONS = ("About the user", "Preferences", "Work", "Context", "Follow-ups")
+ABOUT, PREFERENCES, WORK, CONTEXT, FOLLOW_UPS = range(len(SECTIONS))
+MAX_KEY_CHARS = 60
+MAX_VALUE_CHARS = 200
+#: litellm counts long texts in windows of this many characters; a window boundary
+#: can split a token, so each one is allowed this many extra tokens.
+COUNT_WINDOW_CHARS = 1024
+WINDOW_SLACK_TOKENS = 2
+
+_FOLLOW_UP_WORDS = frozenset({"followup", "follow", "todo", "reminder", "remind", "task", "deadline", "pending", "due"})
+_WORK_WORDS = frozenset(
+    {"work", "job", "company", "employer", "role", "occupation", "profession", "project", "team", "office"}
+    | {"colleague", "manager", "career", "title", "industry", "client", "workplace"}
+)
+_PREFERENCE_WORDS = frozenset({"favorite", "favourite", "preferred", "prefers", "prefer", "likes", "dislikes"})
+_CONTEXT_CATEGORIES = frozenset({"context", "routine", "habit", "summary", "legacy"})
+_WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One entry's line (with its newline), its section and its token count."""
+
+    section: int
+    tokens: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a cut needs: the lines in ranked order, each section header's tokens, the
+    left-out line's tokens (an upper bound: counted with the largest number it can
+    show), and how many entries the profile had in all."""
+
+    lines: Sequence[Line]
+    header_tokens: Sequence[int]
+    left_out_tokens: int
+    total: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lines": [[line.section, line.tokens, line.text] for line in self.lines],
+            "headers": list(self.header_tokens),
+            "left_out_line": self.left_out_tokens,
+            "total": self.total,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Layout:
+        lines = [Line(int(s), int(t), str(x)) for s, t, x in data.get("lines", [])]
+        return cls(
+            lines, [int(t) for t in data.get("headers", [])], int(data.get("left_out_line", 0)), int(data["total"])
+        )
+
+
+def _words(key: str) -> set[str]:
+    return {word.lower() for word in _WORD.findall(key)}
+
+
+def section_of(category: str | None, key: str) -> int:
+    """The section an entry goes to, from its category, else the words of its key."""
+    category = (category or "fact").lower()
+    words = _words(key)
+    if category in ("follow_up", "followup", "task", "todo", "reminder") or words & _FOLLOW_UP_WORDS:
+        return FOLLOW_UPS
+    if category == "preference" or words & _PREFERENCE_WORDS:
+        return PREFERENCES
+    if category in ("work", "project") or words & _WORK_WORDS:
+        return WORK
+    if category in _CONTEXT_CATEGORIES:
+        return CONTEXT
+    return ABOUT
+
+
+def _plain(text: str, limit: int) -> str:
+    # One line whatever the value holds: control characters dropped, whitespace runs
+    # (newlines included) made one space, and long values shortened.
+    kept = "".join(ch for ch in text if unicodedata.category(ch)[0] != "C" or ch.isspace())
+    flat = " ".join(kept.split())
+    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
+
+
+def value_text(value: Any) -> str:
+    """A JSON value as the line shows it: a string plainly, anything else compactly."""
+    if isinstance(value, str):
+        return _plain(value, MAX_VALUE_CHARS)
+    return _plain(json.dumps(value, ensure_ascii=False, separators=(",", ":")), MAX_VALUE_CHARS)
+
+
+def entry_line(key: str, value: Any, *, conflicted: bool) -> str:
+    """``- key: value`` (``(contradicted)`` after a contradicted entry's value)."""
+    name = _plain(key.replace("_", " "), MAX_KEY_CHARS) or "(no key)"
+    line = f"- {name}: {value_text(value)}".rstrip()
+    if conflicted:
+        line += " (contradicted)"
+    return line + "\n"
+
+
+def header_line(section: int) -> str:
+    return f"## {SECTIONS[section]}\n"
+
+
+def left_out_line(count: int) -> str:
+    return f"({count} more {'entry' if count == 1 else 'entries'} left out)\n"
+
+
+def assemble(lines: Sequence[Line], left_out: int) -> str:
+    """The profile text of these ranked lines: by section, ranked within each."""
+    parts: list[str] = []
+    for section in range(len(SECTIONS)):
+        mine = [line.text for line in lines if line.section == section]
+        if mine:
+            parts.append(header_line(section))
+            parts.extend(mine)
+    if left_out:
+        parts.append(left_out_line(left_out))
+    return "".join(parts)
+
+
+def estimate(layout: Layout, kept: int) -> int:
+    """Tokens of the profile holding the first ``kept`` lines: lines, headers, the
+    left-out line, and a slack per counting window (an upper bound of the count)."""
+    lines = layout.lines[:kept]
+    sections = {line.section for line in lines}
+    tokens = sum(line.tokens for line in lines) + sum(layout.header_tokens[s] for s in sections)
+    if kept < layout.total:
+        tokens += layout.left_out_tokens
+    chars = len(assemble(lines, layout.total - kept))
+    return tokens + WINDOW_SLACK_TOKENS * (chars // COUNT_WINDOW_CHARS)
+
+
+def cut(layout: Layout, budget: int) -> int:
+    """How many of the ranked lines fit ``budget``: the largest prefix that does."""
+    best = 0
+    for kept in range(len(layout.lines) + 1):
+        if estimate(layout, kept) <= budget:
+            best = kept
+    return best

@@ -1,0 +1,95 @@
+"""The reader's side of profiles: ``get_for_prompt``.
+
+Importing this module is cheap: it imports neither litellm nor Celery. A budget smaller
+than the one a profile was built for is honoured with the token counts stored beside
+its lines, without a tokenizer: the lowest-ranked entries are left out first, exactly
+as the builder would cut at that budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from store import profiles as profile_store
+from store.db import session_scope
+from store.models import Profile
+from worker.profile_text import Layout, assemble, cut, estimate
+from worker.settings import Settings, get_settings
+
+
+@dataclass(frozen=True)
+class PromptProfile:
+    """A profile as read: ``text`` is at most ``tokens`` tokens, ``tokens`` at most
+    ``budget``. ``built_at`` is None for a user (or agent) with no profile yet, whose
+    text is empty."""
+
+    user_id: str
+    agent_id: str | None
+    text: str
+    tokens: int
+    budget: int
+    entries_included: int
+    entries_left_out: int
+    built_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["built_at"] = self.built_at.isoformat() if self.built_at else None
+        return out
+
+
+def get_for_prompt(
+    user_id: str,
+    agent_id: str | None = None,
+    token_budget: int | None = None,
+    session: Session | None = None,
+    *,
+    settings: Settings | None = None,
+) -> PromptProfile:
+    """The user's prompt-ready memory as ``agent_id`` sees it (None: the global entries
+    only), within ``token_budget`` tokens if given. An agent that owns no entries of the
+    user reads the global entries. One primary-key read; with ``session`` it runs in the
+    caller's transaction."""
+    if token_budget is not None and token_budget < 0:
+        raise ValueError("token_budget must be at least 0")
+    if session is not None:
+        return _read(session, user_id, agent_id, token_budget, settings)
+    settings = settings or get_settings()
+    with session_scope(settings) as own:
+        return _read(own, user_id, agent_id, token_budget, settings)
+
+
+def _read(
+    session: Session, user_id: str, agent_id: str | None, token_budget: int | None, settings: Settings | None
+) -> PromptProfile:
+    row = profile_store.read(session, user_id, agent_id)
+    if row is None:
+        budget = token_budget if token_budget is not None else (settings or get_settings()).profile_token_budget
+        return PromptProfile(user_id, agent_id, "", 0, budget, 0, 0, None)
+    if token_budget is None or token_budget >= row.tokens:
+        budget = row.budget if token_budget is None else min(token_budget, row.budget)
+        return _whole(row, agent_id, max(budget, row.tokens))
+    return _cut(row, agent_id, token_budget)
+
+
+def _whole(row: Profile, agent_id: str | None, budget: int) -> PromptProfile:
+    return PromptProfile(
+        row.user_id, agent_id, row.text, row.tokens, budget, row.entries_included, row.entries_left_out, row.built_at
+    )
+
+
+def _cut(row: Profile, agent_id: str | None, budget: int) -> PromptProfile:
+    layout = Layout.from_json(row.layout)
+    kept = cut(layout, budget)
+    if kept >= row.entries_included and row.entries_included:
+        # The stored text itself is over this budget: at least one line goes.
+        kept = row.entries_included - 1
+    text = assemble(layout.lines[:kept], layout.total - kept)
+    tokens = estimate(layout, kept)
+    if tokens > budget:
+        text, tokens = "", 0
+    return PromptProfile(row.user_id, agent_id, text, tokens, budget, kept, layout.total - kept, row.built_at)
