@@ -24,6 +24,7 @@ from sqlalchemy import (
     Table,
     and_,
     case,
+    column,
     delete,
     func,
     insert,
@@ -31,6 +32,7 @@ from sqlalchemy import (
     literal_column,
     select,
     update,
+    values,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -439,13 +441,36 @@ def user_entries(session: Session, table: Table, user_id: str, *, lock: bool = F
     return list(session.execute(stmt).all())
 
 
-def contradiction_candidates(session: Session, table: Table, user_ids: Sequence[str]) -> list[Any]:
+def loose_key(key: str) -> str:
+    """The key form :func:`contradiction_candidates` partitions by, computed in Python."""
+    if key.isascii():
+        return "".join(c for c in key if c.isascii() and c.isalnum()).lower()
+    return "~"
+
+
+def user_keys(session: Session, table: Table, user_ids: Sequence[str]) -> list[tuple[str, str]]:
+    """The distinct ``(user_id, key)`` pairs of ``user_ids`` (``_gdpr_`` keys left out), one query."""
+    if not user_ids:
+        return []
+    stmt = (
+        select(table.c.user_id, table.c.key)
+        .distinct()
+        .where(table.c.user_id.in_(sorted(user_ids)), ~table.c.key.startswith("_gdpr_", autoescape=True))
+    )
+    return [(row.user_id, row.key) for row in session.execute(stmt)]
+
+
+def contradiction_candidates(
+    session: Session, table: Table, user_ids: Sequence[str], same_keys: Mapping[tuple[str, str], str] | None = None
+) -> list[Any]:
     """The entries of ``user_ids`` that may contradict another, users' entries in order
     (PostgreSQL, one query): every non-``_gdpr_`` entry whose user has another entry
     with a loosely equal key (ASCII letters and digits, lowercased; every non-ASCII key
-    of a user counts as one key) and a different value. A superset of the entries that
-    contradiction detection groups, so the exact test stays in Python and reads far
-    fewer rows than every entry of every user.
+    of a user counts as one key) and a different value. ``same_keys`` maps
+    ``(user_id, key)`` to a group label for keys that mean the same without being loosely
+    equal (``birthday`` and ``date_of_birth``); such keys are compared by label. A superset
+    of the entries that contradiction detection groups, so the exact test stays in Python
+    and reads far fewer rows than every entry of every user.
     """
     if not user_ids:
         return []
@@ -456,14 +481,26 @@ def contradiction_candidates(session: Session, table: Table, user_ids: Sequence[
         ),
         else_=literal("~"),
     )
+    source: Any = table
+    group: ColumnElement[Any] = loose
+    if same_keys:
+        labels = (
+            values(column("user_id", String), column("key", String), column("label", String), name="same_keys")
+            .data([(user, key, "~" + label) for (user, key), label in sorted(same_keys.items())])
+            .alias("same_keys")
+        )
+        source = table.outerjoin(labels, and_(labels.c.user_id == table.c.user_id, labels.c.key == table.c.key))
+        # Labels start with "~" and hold more than it, so none equals a loose key.
+        group = func.coalesce(labels.c.label, loose)
     text_value = func.coalesce(table.c.value.cast(String), "null")
-    partition = [table.c.user_id, loose]
+    partition = [table.c.user_id, group]
     inner = (
         select(
             table,
             func.min(text_value).over(partition_by=partition).label("lowest_value"),
             func.max(text_value).over(partition_by=partition).label("highest_value"),
         )
+        .select_from(source)
         .where(table.c.user_id.in_(sorted(user_ids)), ~table.c.key.startswith("_gdpr_", autoescape=True))
         .subquery()
     )

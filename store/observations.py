@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -70,11 +70,35 @@ def observe(
     raise TransientError("another worker kept changing the same observation; try again")
 
 
+def keys_of(session: Session, *, user_id: str, agent_id: str | None) -> list[str]:
+    """The keys of the user's observations for this agent, oldest first.
+
+    On PostgreSQL this first takes a transaction lock on (user, agent), so two feedback
+    signals of one user that name one preference with two synonyms count it together
+    instead of each starting its own observation."""
+    agent = agent_id or ""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(f"observations:{user_id}:{agent}", 0))))
+    query = (
+        select(Observation.key)
+        .where(Observation.user_id == user_id, Observation.agent_id == agent)
+        .order_by(Observation.first_seen_at, Observation.id)
+    )
+    return list(session.scalars(query))
+
+
+def _same_value(stored: Any, value: Any) -> bool:
+    # A model restating a preference changes its case, spacing and final stop.
+    if isinstance(stored, str) and isinstance(value, str):
+        return " ".join(stored.casefold().split()).rstrip(".!") == " ".join(value.casefold().split()).rstrip(".!")
+    return bool(stored == value)
+
+
 def _count(session: Session, row: Observation, *, value: Any, evidence: str, signal_id: int) -> Observed:
     ids = list(row.signal_ids or [])
     if signal_id in ids:
         return Observed(row.id, row.seen_count, promoted=row.promoted_at is not None)
-    if row.value != value:
+    if not _same_value(row.value, value):
         changes: dict[str, Any] = {"value": value, "seen_count": 1, "signal_ids": [signal_id], "promoted_at": None}
         seen = 1
     else:

@@ -23,6 +23,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from store import key_vectors
 from store.known_entries import locked_entry, rewrite_entry, visible_entries
 from store.memories import table_for, upsert_entry
 from tasks.decisions import normalise
@@ -169,7 +170,11 @@ class Writer:
         if matcher is None:
             return None
         rows = self._entries()
-        found = matcher.find(key, sorted({row.key for row in rows}))
+        keys = sorted({row.key for row in rows})
+        if not keys:
+            return None
+        key_vectors.prepare(self.session, matcher, [key, *keys])
+        found = matcher.find(key, keys)
         if found is None:
             return None
         same_key = [row for row in rows if row.key == found]

@@ -1,7 +1,8 @@
-"""Contradictions: the same key (after normalising) with different values, per user.
+"""Contradictions: keys that mean the same with different values, per user.
 
-Keys are compared lowercased with runs of ``-``, ``_``, ``.`` and spaces collapsed,
-across agents and visibilities; values are compared as JSON. A new contradiction sets
+Keys are compared by meaning with the key matcher (:mod:`worker.keymatch`): ``birthday``
+and ``date_of_birth`` are one key, ``first_name`` and ``last_name`` never are; across
+agents and visibilities. Values are compared as JSON. A new contradiction sets
 ``conflicted`` on its rows and is recorded once; it closes (and ``conflicted`` clears)
 when the values agree again. Under ``keep_newest`` the older rows are archived and
 removed; ``_gdpr_`` keys are never considered and protected categories never removed.
@@ -23,9 +24,19 @@ from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from store import contradictions as store
+from store import key_vectors
 from store.entry_state import GDPR_PREFIX
-from store.memories import contradiction_candidates, remove_entries, set_conflicted, table_for, user_entries
+from store.memories import (
+    contradiction_candidates,
+    loose_key,
+    remove_entries,
+    set_conflicted,
+    table_for,
+    user_entries,
+    user_keys,
+)
 from store.models import Contradiction
+from worker.keymatch import KeyMatcher, get_matcher
 from worker.policy import PolicyBook
 from worker.settings import Settings
 
@@ -160,14 +171,39 @@ def _distinct_values(rows: list[Any]) -> int:
     return len({canonical_value(r.value) for r in rows})
 
 
-def _groups(rows: list[Any], book: PolicyBook, owners: Collection[str] | None) -> dict[str, list[Any]]:
+def _groups(
+    rows: list[Any], book: PolicyBook, owners: Collection[str] | None, matcher: KeyMatcher
+) -> dict[str, list[Any]]:
+    """The rows that may contradict, by meaning-group (named by its representative's rules form)."""
+    kept = [
+        row
+        for row in rows
+        if not row.key.startswith(GDPR_PREFIX)
+        and book.for_agent(row.source_agent_id).detects
+        and (owners is None or row.source_agent_id in owners)
+    ]
+    representative = matcher.groups([row.key for row in kept])
     groups: dict[str, list[Any]] = defaultdict(list)
-    for row in rows:
-        if row.key.startswith(GDPR_PREFIX) or not book.for_agent(row.source_agent_id).detects:
-            continue
-        if owners is None or row.source_agent_id in owners:
-            groups[normalise_key(row.key)].append(row)
+    for row in kept:
+        groups[matcher.normalise(representative[row.key])].append(row)
     return groups
+
+
+def _same_keys(matcher: KeyMatcher, keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """For the SQL prefilter: ``(user, key)`` -> group label, for every key whose
+    meaning-group holds keys that the prefilter's loose form would keep apart."""
+    by_user: dict[str, list[str]] = defaultdict(list)
+    for user_id, key in keys:
+        by_user[user_id].append(key)
+    labels: dict[tuple[str, str], str] = {}
+    for user_id, user_keys_ in by_user.items():
+        members: dict[str, list[str]] = defaultdict(list)
+        for key, representative in matcher.groups(user_keys_).items():
+            members[representative].append(key)
+        for representative, group in members.items():
+            if len({loose_key(key) for key in group}) > 1:
+                labels.update({(user_id, key): representative for key in group})
+    return labels
 
 
 def _detect_user(
@@ -198,7 +234,10 @@ def detect(
 ) -> ContradictionCounts:
     """Find, record, flag, resolve and close the user's contradictions (caller's transaction)."""
     table = table_for(settings)
-    groups = _groups(user_entries(session, table, user_id), book, owners)
+    matcher = get_matcher(settings)
+    rows = user_entries(session, table, user_id)
+    key_vectors.prepare(session, matcher, {row.key for row in rows})
+    groups = _groups(rows, book, owners, matcher)
     writes = _Writes()
     work = _Pass(session, settings, table, user_id, book, at, run_id, writes)
     _detect_user(work, groups, store.open_by_key(session, user_id), scoped=owners is not None)
@@ -214,15 +253,22 @@ def detect_many(
     (PostgreSQL; see :func:`store.memories.contradiction_candidates`)."""
     table = table_for(settings)
     users = sorted(runs)
+    matcher = get_matcher(settings)
+    same_keys: dict[tuple[str, str], str] = {}
+    if matcher.mode != "off":
+        keys = user_keys(session, table, users)
+        key_vectors.prepare(session, matcher, {key for _, key in keys})
+        same_keys = _same_keys(matcher, keys)
     by_user: dict[str, list[Any]] = defaultdict(list)
-    for row in contradiction_candidates(session, table, users):
+    for row in contradiction_candidates(session, table, users, same_keys):
         by_user[row.user_id].append(row)
     already_open = store.open_by_user(session, users)
     writes = _Writes()
     counts: dict[str, ContradictionCounts] = {}
     for user_id in users:
         work = _Pass(session, settings, table, user_id, book, at, runs[user_id], writes)
-        _detect_user(work, _groups(by_user.get(user_id, []), book, None), already_open.get(user_id, {}), scoped=False)
+        groups = _groups(by_user.get(user_id, []), book, None, matcher)
+        _detect_user(work, groups, already_open.get(user_id, {}), scoped=False)
         counts[user_id] = work.counts()
     writes.flush(session, table)
     return counts

@@ -5,7 +5,9 @@ A candidate counts only when its evidence comes from the user's edit: text found
 in the edited version (the user wrote it) or only in the original (the user deleted it).
 Each candidate is kept as a pending observation and becomes a ``preference`` entry
 only once it has been seen in ``feedback_min_recurrence`` feedback signals of that
-user: one edit is an accident, a repeated edit is a preference.
+user: one edit is an accident, a repeated edit is a preference. Sightings under keys
+that mean the same (``response_length``, ``preferred_response_length``; see
+:mod:`worker.keymatch`) count together, under the key first seen.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from store import observations
+from store import key_vectors, observations
 from store.db import session_scope
 from tasks import canonical, known
 from tasks.decisions import Decision, Effect, SignalInput, normalise, parse_reply_list
 from tasks.known import Known, KnownEntries
+from worker.keymatch import get_matcher
 from worker.settings import Settings
 
 SOURCE = "feedback"
@@ -195,7 +198,15 @@ def apply(session: Session, settings: Settings, signal: SignalInput, proposal: P
         source=SOURCE,
         signal_id=signal.signal_id,
     )
-    for candidate in proposal.candidates:
+    matcher = get_matcher(settings)
+    seen_keys = observations.keys_of(session, user_id=signal.user_id, agent_id=agent) if proposal.candidates else []
+    key_vectors.prepare(session, matcher, [*seen_keys, *(c.key for c in proposal.candidates)])
+    for proposed in proposal.candidates:
+        # A preference seen before under a key that means the same counts with it.
+        key = matcher.find(proposed.key, seen_keys) or proposed.key
+        if key not in seen_keys:
+            seen_keys.append(key)
+        candidate = replace(proposed, key=key)
         seen = observations.observe(
             session,
             user_id=signal.user_id,

@@ -57,3 +57,29 @@ DIFFERENT: tuple[tuple[str, str], ...] = (
     ("sister_name", "brother_name"),
     ("morning_routine", "evening_routine"),
 )
+
+# The pairs seeded as contradictions at dream time (one user each, two values).
+DREAM_SAME = (
+    ("birthday", "date_of_birth"),
+    ("home_city", "city_of_residence"),
+    ("language", "preferred_language"),
+    ("job_title", "role"),
+    ("favorite_color", "favourite_colour"),
+    ("favorite_color", "preferred_color"),
+    ("occupation", "job_title"),
+    ("dob", "birth_date"),
+    ("email", "email_address"),
+    ("kids", "children"),
+)
+DREAM_DIFFERENT = (
+    ("first_name", "last_name"),
+    ("home_city", "work_city"),
+    ("dog_name", "cat_name"),
+    ("start_date", "end_date"),
+    ("min_budget", "max_budget"),
+    ("previous_employer", "current_employer"),
+    ("favorite_color", "favorite_food"),
+    ("job_title", "employer"),
+    ("favorite_movie", "favorite_book"),
+    ("age", "birthday"),
+)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
+from structlog.testing import capture_logs
 
 from store.db import session_scope
-from store.memories import table_for
-from store.models import ArchivedEntry, Contradiction, Policy
+from store.memories import contradiction_candidates, table_for
+from store.models import ArchivedEntry, Contradiction, KeyVector, Policy
 from tasks.contradictions import canonical_value, normalise_key
-from tasks.dream import dream_user
+from tasks.dream import dream_user, dream_users
 from tests.dream_seed import entries_of, entry, keys_of, seed
+from tests.key_pairs import DREAM_DIFFERENT, DREAM_SAME
+from worker.keymatch import forget_matchers, get_matcher
 from worker.settings import Settings
 
 
@@ -114,3 +117,90 @@ def test_agent_policy_turns_detection_off_for_its_entries(pg_settings: Settings)
     with session_scope(settings) as session:
         session.add(Policy(agent_id="b", config={"detectContradictions": False}))
     assert dream_user(settings, "u1").contradictions_found == 0
+
+
+def _flagged_pairs(settings: Settings, prefix: str, pairs: tuple[tuple[str, str], ...]) -> int:
+    """Seeds each pair as one user's two entries with different values, dreams them all
+    in one chunk, and counts the users whose two entries were flagged as a contradiction."""
+    users = [f"{prefix}{i}" for i in range(len(pairs))]
+    seed(
+        settings,
+        [
+            row
+            for user, (a, b) in zip(users, pairs, strict=True)
+            for row in (entry(user, a, "one value", agent="a"), entry(user, b, "another value", agent="b"))
+        ],
+    )
+    with capture_logs() as logs:
+        outcomes = {o.user_id: o for o in dream_users(settings, users)}
+    # The chunk's set-based path did the work, not the one-user-at-a-time fallback.
+    assert not [e for e in logs if e["event"] == "dream.chunk_fallback"]
+    flagged = 0
+    for user in users:
+        conflicted = {r["conflicted"] for r in entries_of(settings, user).values()}
+        assert conflicted in ({True}, {False})
+        assert outcomes[user].contradictions_found == (1 if conflicted == {True} else 0)
+        flagged += conflicted == {True}
+    return flagged
+
+
+def test_keys_that_mean_the_same_contradict_at_dream_time(store_settings: Settings) -> None:
+    settings = _settings(store_settings, key_matching="embedding")
+    found = _flagged_pairs(settings, "same", DREAM_SAME)
+    wrong = _flagged_pairs(settings, "diff", DREAM_DIFFERENT)
+    assert wrong == 0, "keys that are different facts were flagged as a contradiction"
+    assert found / len(DREAM_SAME) >= 0.90, f"recall {found}/{len(DREAM_SAME)}"
+
+
+def test_rules_alone_still_join_spellings_and_abbreviations(pg_settings: Settings) -> None:
+    settings = _settings(pg_settings, key_matching="rules")
+    pairs = (("favorite_color", "Favourite-Colours"), ("dob", "date_of_birth"), ("first_name", "last_name"))
+    seed(settings, [entry("r1", "favorite_color", "blue"), entry("r1", "Favourite-Colours", "green", agent="b")])
+    seed(settings, [entry("r2", "dob", "1990-01-01"), entry("r2", "date_of_birth", "1991-02-02", agent="b")])
+    seed(settings, [entry("r3", "first_name", "Ada"), entry("r3", "last_name", "Lovelace", agent="b")])
+    found = {o.user_id: o.contradictions_found for o in dream_users(settings, ["r1", "r2", "r3"])}
+    assert found == {"r1": 1, "r2": 1, "r3": 0}, pairs
+
+
+def test_a_second_sweep_over_known_keys_runs_no_inference(pg_settings: Settings) -> None:
+    settings = _settings(pg_settings, key_matching="embedding")
+    users = [f"sweep{i}" for i in range(6)]
+    keys = ["birthday", "date_of_birth", "home_city", "city_of_residence", "favorite_color", "shoe_size"]
+    seed(settings, [entry(u, k, f"{u}-{k}", agent=f"agent-{j}") for u in users for j, k in enumerate(keys)])
+    forget_matchers()
+    first = get_matcher(settings)
+    assert first.embedder is not None
+    dream_users(settings, users)
+    assert first.embedder.inferences == len(keys)
+    # A new process: nothing in memory, every vector in dream_key_vectors.
+    forget_matchers()
+    second = get_matcher(settings)
+    assert second is not first and second.embedder is not None
+    outcomes = dream_users(settings, users)
+    assert second.embedder.inferences == 0
+    assert all(o.status == "succeeded" for o in outcomes)
+    with session_scope(settings) as session:
+        stored = session.scalar(select(func.count()).select_from(KeyVector))
+    assert stored == len(keys)
+    forget_matchers()
+
+
+def test_prefilter_keeps_synonym_pairs_when_told_which_keys_mean_the_same(pg_settings: Settings) -> None:
+    settings = _settings(pg_settings)
+    seed(
+        settings,
+        [
+            entry("p1", "birthday", "1990-01-01"),
+            entry("p1", "date_of_birth", "1991-02-02", agent="b"),
+            entry("p1", "shoe_size", "42"),
+            entry("p2", "Favourite-Colour", "blue"),
+            entry("p2", "favorite_color", "green", agent="b"),
+        ],
+    )
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        loose_only = contradiction_candidates(session, table, ["p1", "p2"])
+        same_keys = {("p1", "birthday"): "birthday", ("p1", "date_of_birth"): "birthday"}
+        told = contradiction_candidates(session, table, ["p1", "p2"], same_keys)
+    assert {(r.user_id, r.key) for r in loose_only} == set()
+    assert {(r.user_id, r.key) for r in told} == {("p1", "birthday"), ("p1", "date_of_birth")}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -11,8 +14,11 @@ from sqlalchemy import select
 from store.db import session_scope
 from store.memories import table_for
 from store.models import Observation
+from tasks import feedback
+from tasks.decisions import SignalInput
 from tasks.signals import process_pending
 from worker import offline_model
+from worker.keymatch import get_matcher
 from worker.offline_rules import feedback_candidates
 from worker.producer import enqueue_signal
 from worker.settings import Settings
@@ -105,3 +111,81 @@ def test_offline_candidates_from_the_diff() -> None:
     # Deterministic: the same diff gives the same candidates.
     assert feedback_candidates({"original": original, "edited": edited}) == list(found.values())
     assert feedback_candidates({"original": "a", "edited": "a"}) == []
+
+
+def _reply_with(monkeypatch: pytest.MonkeyPatch, replies: list[dict[str, str]]) -> None:
+    """The model names the preference differently on each call, as hosted models do."""
+    queue = list(replies)
+    monkeypatch.setattr(offline_model, "answer", lambda purpose, task: json.dumps([queue.pop(0)]))
+
+
+def test_sightings_under_keys_that_mean_the_same_count_together(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = pg_settings.model_copy(update={"key_matching": "embedding"})
+    _reply_with(
+        monkeypatch,
+        [
+            {"key": "preferred_response_length", "value": "Shorter answers", "evidence": "Keep it short."},
+            {"key": "response_length", "value": "shorter answers.", "evidence": "Just the gist."},
+            {"key": "Response-Lengths", "value": "shorter  answers", "evidence": "Two lines, max."},
+        ],
+    )
+    for deliverable, short in (("d1", "Keep it short."), ("d2", "Just the gist."), ("d3", "Two lines, max.")):
+        enqueue_signal("feedback", "ann", edit(deliverable, LONG, short), settings=settings)
+        process_pending(settings)
+    [(user, key, value, category)] = preferences(settings)
+    assert (user, key, " ".join(value.casefold().split()), category) == (
+        "ann",
+        "preferred_response_length",
+        "shorter answers",
+        "preference",
+    )
+    with session_scope(settings) as session:
+        [observation] = session.scalars(select(Observation)).all()
+    assert observation.key == "preferred_response_length"
+    assert observation.seen_count == 3 and observation.promoted_at is not None
+
+
+def test_contrasting_keys_are_separate_preferences(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = pg_settings.model_copy(update={"key_matching": "embedding"})
+    _reply_with(
+        monkeypatch,
+        [
+            {"key": "morning_greeting", "value": "hi", "evidence": "Keep it short."},
+            {"key": "evening_greeting", "value": "hi", "evidence": "Just the gist."},
+        ],
+    )
+    for deliverable, short in (("d1", "Keep it short."), ("d2", "Just the gist.")):
+        enqueue_signal("feedback", "ann", edit(deliverable, LONG, short), settings=settings)
+        process_pending(settings)
+    assert preferences(settings) == []
+    with session_scope(settings) as session:
+        keys = sorted(o.key for o in session.scalars(select(Observation)))
+    assert keys == ["evening_greeting", "morning_greeting"]
+
+
+def test_two_workers_seeing_one_preference_under_synonyms_at_once_count_it_once(pg_settings: Settings) -> None:
+    settings = pg_settings.model_copy(update={"key_matching": "embedding"})
+    get_matcher(settings)  # loaded before the race, as the worker does before it forks
+    rounds = 8
+    barrier = threading.Barrier(2)
+
+    def sighting(user: str, signal_id: int, key: str) -> None:
+        signal = SignalInput(signal_id, "feedback", user, "writer", {"agent_id": "writer"}, datetime.now(UTC))
+        proposal = feedback.Proposal([feedback.Candidate(key, "shorter answers", "Revenue grew.")], [])
+        with session_scope(settings) as session:
+            barrier.wait(timeout=30)
+            feedback.apply(session, settings, signal, proposal)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for round_ in range(rounds):
+            user = f"racer{round_}"
+            first = pool.submit(sighting, user, 2 * round_ + 1, "response_length")
+            second = pool.submit(sighting, user, 2 * round_ + 2, "preferred_response_length")
+            first.result(timeout=60)
+            second.result(timeout=60)
+    with session_scope(settings) as session:
+        rows = list(session.scalars(select(Observation)))
+    assert len(rows) == rounds, sorted((o.user_id, o.key) for o in rows)
+    assert {o.seen_count for o in rows} == {2}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -199,3 +200,36 @@ def test_rules_setting_never_loads_the_model() -> None:
     assert matcher.embedder is None and matcher.model_id is None
     assert sum(_fallback_count(r) for r in ("missing", "checksum", "runtime", "broken")) == before
     forget_matchers()
+
+
+def test_worker_main_process_preloads_the_matcher_and_forked_children_use_it(tmp_path: Path) -> None:
+    # A fresh interpreter, as `celery worker` starts: the hook loads the model there, and
+    # a forked child (a pool process) answers with it without loading anything again.
+    script = (
+        "import os, sys\n"
+        "from worker import celery_hooks\n"
+        "from worker.keymatch import get_matcher\n"
+        "from worker.settings import get_settings\n"
+        "celery_hooks._preload_key_matcher(get_settings())\n"
+        "matcher = get_matcher(get_settings())\n"
+        "assert matcher.embedder is not None\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    child = get_matcher(get_settings())\n"
+        "    ok = child is matcher and child.same('birthday', 'date_of_birth')\n"
+        "    os._exit(0 if ok else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.waitstatus_to_exitcode(status))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "LITELLM_LOCAL_MODEL_COST_MAP": "True", "REVERIE_LOG_FORMAT": "json"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "child 0"
+    assert "key matcher preloaded" in done.stderr + done.stdout

@@ -30,6 +30,7 @@ from celery.app import trace as celery_trace
 
 from worker import metrics_server
 from worker.errors import ReverieError
+from worker.keymatch import get_matcher
 from worker.logging_setup import configure_logging, route_litellm_logging
 from worker.logs import get_logger
 from worker.metrics_server import refresh_pending_gauge
@@ -77,6 +78,7 @@ def _worker_init(**_: Any) -> None:
     settings = get_settings()
     # worker_init comes before Celery's setup_logging; these first lines need the format too.
     configure_logging(settings)
+    _preload_key_matcher(settings)
     _preload_gateway(settings)
     directory = metrics_server.multiprocess_dir()
     if directory is not None:
@@ -95,6 +97,19 @@ def _worker_init(**_: Any) -> None:
         log.error("metrics endpoint not started", error=str(exc))
         return
     log.info("metrics endpoint serving", port=_server.port, path="/metrics")
+
+
+def _preload_key_matcher(settings: Settings) -> None:
+    """Load the key matcher (and its model) once in the main process, before the pool
+    forks, so the children share its pages instead of each loading its own copy."""
+    started = time.perf_counter()
+    matcher = get_matcher(settings)
+    log.info(
+        "key matcher preloaded",
+        mode=settings.key_matching,
+        model=matcher.model_id is not None,
+        seconds=round(time.perf_counter() - started, 2),
+    )
 
 
 def _preload_gateway(settings: Settings) -> None:

@@ -74,8 +74,13 @@ class KeyMatcher:
         self.embedder = embedder if mode == "embedding" else None
         self.threshold = threshold
         self.strict_threshold = strict_threshold
-        self._vectors: dict[str, Any] = {}
         self._lock = threading.Lock()
+        # Every rules form with a vector: its row in ``_matrix``, and the known rules forms
+        # it matches (with their similarity), found once when it was added.
+        self._norms: list[str] = []
+        self._index: dict[str, int] = {}
+        self._matrix: Any = None
+        self._matches: dict[str, dict[str, float]] = {}
 
     # -- the rules ------------------------------------------------------------------
 
@@ -103,7 +108,7 @@ class KeyMatcher:
         if self.embedder is None:
             return []
         with self._lock:
-            return sorted({n for n in map(self.normalise, keys) if n not in self._vectors})
+            return sorted({n for n in map(self.normalise, keys) if n not in self._index})
 
     def remember(self, vectors: Mapping[str, bytes]) -> None:
         """Take vectors (rules form -> float32 bytes) read from the cache table."""
@@ -111,12 +116,10 @@ class KeyMatcher:
             return
         import numpy as np
 
-        with self._lock:
-            self._make_room(len(vectors))
-            for norm, raw in vectors.items():
-                self._vectors[norm] = np.frombuffer(raw, dtype=np.float32)
+        norms = sorted(vectors)
+        self._add(norms, np.stack([np.frombuffer(vectors[n], dtype=np.float32) for n in norms]))
 
-    def embed(self, norms: Sequence[str]) -> dict[str, bytes]:
+    def embed(self, norms: Iterable[str]) -> dict[str, bytes]:
         """Run the model on rules forms it has no vector for; returns the new vectors as
         bytes (for the cache table) and remembers them."""
         if self.embedder is None:
@@ -126,22 +129,41 @@ class KeyMatcher:
             return {}
         computed = self.embedder.embed([self.phrase(n) for n in todo])
         metrics.KEY_EMBEDDINGS.inc(len(todo))
-        with self._lock:
-            self._make_room(len(todo))
-            for norm, vector in zip(todo, computed, strict=True):
-                self._vectors[norm] = vector
+        self._add(todo, computed)
         return {norm: vector.tobytes() for norm, vector in zip(todo, computed, strict=True)}
 
-    def _make_room(self, wanted: int) -> None:
-        if len(self._vectors) + wanted > MEMORY_VECTORS:
-            self._vectors.clear()
-
-    def _matrix(self, norms: Sequence[str]) -> Vectors:
+    def _add(self, norms: list[str], vectors: Vectors) -> None:
+        """Remember vectors and find, once, which known keys each new one matches: the
+        answers below are then lookups, however many users share the keys."""
         import numpy as np
 
-        self.embed(norms)
         with self._lock:
-            return np.stack([self._vectors[n] for n in norms])
+            fresh = [i for i, n in enumerate(norms) if n not in self._index]
+            if not fresh:
+                return
+            if len(self._norms) + len(fresh) > MEMORY_VECTORS:
+                self._norms, self._index, self._matches = [], {}, {}
+            new_norms = [norms[i] for i in fresh]
+            base = len(self._norms)
+            added = np.asarray(vectors[fresh], dtype=np.float32)
+            self._matrix = np.vstack([self._matrix, added]) if base else added
+            for offset, norm in enumerate(new_norms):
+                self._norms.append(norm)
+                self._index[norm] = base + offset
+                self._matches[norm] = {}
+            scores = self._matrix[base:] @ self._matrix.T
+            lowest = min(self.threshold, self.strict_threshold)
+            for row, col in zip(*np.nonzero(scores >= lowest), strict=True):
+                a, b = new_norms[row], self._norms[col]
+                score = float(scores[row, col])
+                if a != b and self._decide(a, b, score):
+                    self._matches[a][b] = score
+                    self._matches[b][a] = score
+
+    def _ensure(self, norms: Iterable[str]) -> None:
+        """Vectors for rules forms not seen yet (a model run, not stored in the table)."""
+        if self.embedder is not None:
+            self.embed(norms)
 
     # -- answers --------------------------------------------------------------------
 
@@ -156,8 +178,14 @@ class KeyMatcher:
         """Cosine similarity of the phrases about two keys (None: no model)."""
         if self.embedder is None:
             return None
-        pair = self._matrix([self.normalise(a), self.normalise(b)])
-        return float(pair[0] @ pair[1])
+        na, nb = self.normalise(a), self.normalise(b)
+        self._ensure([na, nb])
+        with self._lock:
+            return float(self._matrix[self._index[na]] @ self._matrix[self._index[nb]])
+
+    def _matched(self, norm: str) -> dict[str, float]:
+        with self._lock:
+            return dict(self._matches.get(norm, {}))
 
     def same(self, a: str, b: str) -> bool:
         """True when the two keys mean the same fact about the user."""
@@ -166,14 +194,15 @@ class KeyMatcher:
             return True
         if self.embedder is None or rules.contrasting(na, nb):
             return False
-        return self._decide(na, nb, self.similarity(na, nb))
+        self._ensure([na, nb])
+        return nb in self._matched(na)
 
     def find(self, proposed: str, existing: Sequence[str]) -> str | None:
         """The key of ``existing`` that means ``proposed`` (the best match: the identical
         key, else one with the same rules form, else the closest by meaning), or None.
 
         Costs one model run for each rules form never seen before (none for keys whose
-        vectors were read from the cache table), then one vector product."""
+        vectors were read from the cache table), then a lookup."""
         if proposed in existing:
             return proposed
         norm = self.normalise(proposed)
@@ -181,16 +210,12 @@ class KeyMatcher:
         for key, other in zip(existing, norms, strict=True):
             if other == norm:
                 return key
-        candidates = [i for i, other in enumerate(norms) if not rules.contrasting(norm, other)]
-        if self.embedder is None or not candidates:
+        if self.embedder is None or not existing:
             return None
-        matrix = self._matrix([norm, *(norms[i] for i in candidates)])
-        scores = matrix[1:] @ matrix[0]
-        best: tuple[float, str] | None = None
-        for i, score in zip(candidates, scores, strict=True):
-            if self._decide(norm, norms[i], float(score)) and (best is None or score > best[0]):
-                best = (float(score), existing[i])
-        return None if best is None else best[1]
+        self._ensure([norm, *norms])
+        matched = self._matched(norm)
+        scored = [(matched[other], key) for key, other in zip(existing, norms, strict=True) if other in matched]
+        return max(scored, key=lambda pair: pair[0])[1] if scored else None
 
     def groups(self, keys: Sequence[str]) -> dict[str, str]:
         """Each key -> the representative key of its meaning-group (the group's smallest
@@ -199,40 +224,50 @@ class KeyMatcher:
         Keys with one rules form are one group; with the model, two groups join only
         when every pair across them matches, so ``name`` cannot chain ``first_name`` to
         ``last_name``."""
-        distinct = sorted(set(keys), key=lambda k: (self.normalise(k), k))
+        norm_of = {key: self.normalise(key) for key in keys}
         by_norm: dict[str, list[str]] = {}
-        for key in distinct:
-            by_norm.setdefault(self.normalise(key), []).append(key)
-        norms = list(by_norm)
-        clusters = self._cluster(norms) if self.embedder is not None and len(norms) > 1 else [[n] for n in norms]
+        for key, norm in norm_of.items():
+            by_norm.setdefault(norm, []).append(key)
         representative: dict[str, str] = {}
+        clusters = self._cluster(list(by_norm)) if self.embedder is not None and len(by_norm) > 1 else None
+        if clusters is None:
+            for group in by_norm.values():
+                representative.update(dict.fromkeys(group, min(group)))
+            return representative
         for cluster in clusters:
             members = [key for norm in cluster for key in by_norm[norm]]
-            chosen = min(members, key=lambda k: (self.normalise(k), k))
+            chosen = min(members, key=lambda k: (norm_of[k], k))
             representative.update(dict.fromkeys(members, chosen))
         return representative
 
-    def _cluster(self, norms: list[str]) -> list[list[str]]:
-        matrix = self._matrix(norms)
-        scores = matrix @ matrix.T
-        cluster_of = list(range(len(norms)))
-        members: dict[int, list[int]] = {i: [i] for i in range(len(norms))}
-        lowest = min(self.threshold, self.strict_threshold)
-        edges = sorted(
-            ((float(scores[i, j]), i, j) for i in range(len(norms)) for j in range(i + 1, len(norms))),
-            reverse=True,
-        )
-        for score, i, j in edges:
-            if score < lowest:
-                break
-            ci, cj = cluster_of[i], cluster_of[j]
-            if ci == cj:
+    def _cluster(self, norms: list[str]) -> list[list[str]] | None:
+        """Complete-link groups of rules forms (None: no two of them match)."""
+        self._ensure(norms)
+        present = set(norms)
+        with self._lock:
+            linked = [a for a in norms if (found := self._matches.get(a)) and not present.isdisjoint(found)]
+            if not linked:
+                return None
+            edges = sorted(
+                (
+                    (-score, a, b)
+                    for a in norms
+                    for b, score in self._matches.get(a, {}).items()
+                    if b in present and a < b
+                ),
+            )
+            matches = {a: set(self._matches.get(a, {})) for a in norms}
+        cluster_of = {n: n for n in norms}
+        members: dict[str, list[str]] = {n: [n] for n in norms}
+        for _, a, b in edges:
+            ca, cb = cluster_of[a], cluster_of[b]
+            if ca == cb:
                 continue
-            if all(self._decide(norms[x], norms[y], float(scores[x, y])) for x in members[ci] for y in members[cj]):
-                for y in members.pop(cj):
-                    cluster_of[y] = ci
-                    members[ci].append(y)
-        return [[norms[i] for i in sorted(group)] for group in members.values()]
+            if all(y in matches[x] for x in members[ca] for y in members[cb]):
+                for y in members.pop(cb):
+                    cluster_of[y] = ca
+                    members[ca].append(y)
+        return [sorted(group) for group in members.values()]
 
 
 _lock = threading.Lock()

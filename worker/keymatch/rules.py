@@ -267,6 +267,7 @@ def words(key: str) -> tuple[str, ...]:
     return tuple(_join_compounds(expanded))
 
 
+@lru_cache(maxsize=65536)
 def normalise(key: str) -> str:
     """The rules form of a key: its :func:`words` joined by ``_`` (the key itself,
     lowercased and trimmed, when it holds no letter or digit)."""
