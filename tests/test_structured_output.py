@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
 
 import pytest
 
@@ -102,3 +104,62 @@ def test_a_structured_reply_is_still_checked_in_code(pg_settings: Settings) -> N
     report = process_pending(settings)
     assert report.processed == 1 and entries_of(settings, "ann") == {}
     assert report.results[0].refused[0].outcome == "evidence: not found in any user message of this transcript"
+
+
+class _Endpoint(BaseHTTPRequestHandler):
+    """A minimal OpenAI-compatible chat endpoint on loopback that keeps each request body."""
+
+    bodies: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        task = offline_model.input_of(body["messages"])
+        content = json.dumps({"facts": json.loads(offline_model.answer("extract_facts", task))})
+        reply = {
+            "id": "cmpl-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 50, "completion_tokens": 20, "total_tokens": 70},
+        }
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+
+def test_an_openai_compatible_endpoint_receives_the_schema_over_http(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "not-needed-on-loopback")
+    _Endpoint.bodies.clear()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Endpoint)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        settings = pg_settings.model_copy(
+            update={
+                "llm_model": "openai/local-model",
+                "llm_api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
+                "llm_response_format": "json_object_schema",
+                "llm_input_cost_per_token": 1e-6,
+                "llm_output_cost_per_token": 2e-6,
+            }
+        )
+        payload = {"conversation_id": "c", "messages": [{"role": "user", "content": "My favorite color is blue."}]}
+        enqueue_signal("session_end", "ann", payload, settings=settings)
+        assert process_pending(settings).processed == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    [body] = _Endpoint.bodies
+    assert body["model"] == "local-model"
+    assert body["response_format"] == {"type": "json_object", "schema": SCHEMA}
+    assert [(r["key"], r["value"]) for r in entries_of(settings, "ann").values()] == [("favorite_color", "blue")]
