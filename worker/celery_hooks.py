@@ -30,7 +30,6 @@ from celery.app import trace as celery_trace
 
 from worker import metrics_server
 from worker.errors import ReverieError
-from worker.keymatch import get_matcher
 from worker.logging_setup import configure_logging, route_litellm_logging
 from worker.logs import get_logger
 from worker.metrics_server import refresh_pending_gauge
@@ -102,6 +101,8 @@ def _worker_init(**_: Any) -> None:
 def _preload_key_matcher(settings: Settings) -> None:
     """Load the key matcher (and its model) once in the main process, before the pool
     forks, so the children share its pages instead of each loading its own copy."""
+    from worker.keymatch import get_matcher
+
     started = time.perf_counter()
     matcher = get_matcher(settings)
     log.info(

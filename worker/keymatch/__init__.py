@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
-from worker import metrics
 from worker.errors import KeyModelUnavailable
 from worker.keymatch import rules
 from worker.settings import Settings
@@ -127,6 +126,8 @@ class KeyMatcher:
         todo = self.missing(norms)
         if not todo:
             return {}
+        from worker import metrics
+
         computed = self.embedder.embed([self.phrase(n) for n in todo])
         metrics.KEY_EMBEDDINGS.inc(len(todo))
         self._add(todo, computed)
@@ -286,6 +287,8 @@ def _load_embedder(settings: Settings) -> Embedder | None:
         failure = KeyModelUnavailable("runtime", f"{exc.name or 'numpy'} is not installed")
     except KeyModelUnavailable as exc:
         failure = exc
+    from worker import metrics
+
     metrics.KEY_MODEL_UNAVAILABLE.labels(failure.reason).inc()
     if ident not in _warned:
         _warned.add(ident)
