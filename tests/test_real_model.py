@@ -36,7 +36,7 @@ from worker.settings import Settings
 pytestmark = pytest.mark.realmodel
 
 LLAMA_PYTHON = os.environ.get("REVERIE_TEST_LLAMA_PYTHON", sys.executable)
-DAY_CAP = 0.02
+DAY_CAP = 0.10
 SESSIONS = [
     ["Hi! My favorite color is blue.", "Also, my home city is Lisbon."],
     ["My job title is nurse. I work nights."],
