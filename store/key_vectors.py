@@ -6,8 +6,9 @@ A sweep over users whose keys were all seen before reads vectors and runs no mod
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -35,12 +36,24 @@ def load(session: Session, model: str, norm_keys: Iterable[str]) -> dict[str, by
 
 
 def save(session: Session, model: str, vectors: Mapping[str, bytes]) -> None:
-    """Store new vectors; one another worker stored first is kept. Inserted in key order,
-    so two workers storing overlapping keys wait for each other instead of deadlocking."""
+    """Store new vectors; one another worker stored first is kept, in key order.
+
+    On PostgreSQL they are committed at once in a transaction of their own: they hold
+    nothing about any user, and inside the caller's long transaction a second worker
+    storing the same keys would wait for all of that transaction to end."""
     rows = [{"model": model, "norm_key": k, "vector": v} for k, v in sorted(vectors.items()) if len(k) <= MAX_NORM_KEY]
     if not rows:
         return
-    builder = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    bind = session.get_bind()
+    if bind.dialect.name != "postgresql":
+        # SQLite has one writer: a second connection would wait for the caller's.
+        _insert(session, sqlite_insert, rows)
+        return
+    with Session(bind=bind.engine if isinstance(bind, Connection) else bind) as own, own.begin():
+        _insert(own, pg_insert, rows)
+
+
+def _insert(session: Session, builder: Any, rows: list[dict[str, Any]]) -> None:
     for start in range(0, len(rows), BATCH):
         session.execute(builder(KeyVector).values(rows[start : start + BATCH]).on_conflict_do_nothing())
 

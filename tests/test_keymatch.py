@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
+from sqlalchemy import text
 from structlog.testing import capture_logs
 
+from store import key_vectors
+from store.db import session_scope
 from tests.key_pairs import DIFFERENT, SAME
 from worker.keymatch import KeyMatcher, forget_matchers, get_matcher, rules
 from worker.keymatch.embedding import default_model_path
@@ -233,3 +236,27 @@ def test_worker_main_process_preloads_the_matcher_and_forked_children_use_it(tmp
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "child 0"
     assert "key matcher preloaded" in done.stderr + done.stdout
+
+
+def test_key_matching_benchmark_quick_mode_meets_its_goals() -> None:
+    from bench.key_matching import measure
+
+    rows = measure(quick=True)
+    assert [r.what for r in rows if r.passed is False] == []
+    assert sum(r.passed is True for r in rows) == 2
+
+
+def test_stored_vectors_are_committed_at_once_not_with_the_callers_long_transaction(pg_settings: Settings) -> None:
+    # Two pool processes dreaming chunks that share keys must not wait for each other's
+    # whole chunk: the vectors are visible to others while the caller's work goes on.
+    vector = bytes(range(16))
+    with session_scope(pg_settings) as long_running:
+        key_vectors.save(long_running, "test-model", {"date_of_birth": vector})
+        with session_scope(pg_settings) as other:
+            assert key_vectors.load(other, "test-model", ["date_of_birth"]) == {"date_of_birth": vector}
+            # Storing it again from elsewhere neither waits nor fails.
+            other.execute(text("SET LOCAL lock_timeout = '2s'"))
+            key_vectors.save(other, "test-model", {"date_of_birth": bytes(16)})
+        long_running.rollback()
+    with session_scope(pg_settings) as after:
+        assert key_vectors.load(after, "test-model", ["date_of_birth"]) == {"date_of_birth": vector}
