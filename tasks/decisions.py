@@ -8,8 +8,10 @@ the transaction that also marks the signal ``done``).
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -76,15 +78,56 @@ def normalise(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 
+#: Top-level keys under which a reply object may carry its list of items (structured output).
+LIST_FIELDS = ("facts", "preferences", "items")
+#: Bracket positions tried when the reply wraps its JSON in prose (a bound on a hostile reply).
+MAX_JSON_STARTS = 64
+_FENCE = re.compile(r"```[a-zA-Z0-9_-]*\s*(.*?)```", re.DOTALL)
+
+
 def parse_reply_list(text: str) -> list[Any] | None:
-    """The JSON array in a model reply (code fences allowed), or None if there is none."""
-    # Models like to wrap JSON in prose or code fences: take the outermost brackets.
+    """The list of items in a model reply, or None if there is none.
+
+    Models wrap JSON in prose or code fences and, under structured output, in an
+    object (``{"facts": [...]}``): the first JSON value found in the whole text, a
+    fenced block or from a bracket on that is a list of objects (or such a wrapper)
+    wins; failing that, the first list. A single loose object is not a list: a reply
+    cut off inside its array must not yield its first whole item.
+    """
+    fallback: list[Any] | None = None
+    for value in _json_values(text):
+        items = value if isinstance(value, list) else _wrapped(value)
+        if items is None:
+            continue
+        if all(isinstance(item, dict) for item in items):
+            return items
+        if fallback is None:
+            fallback = items
+    return fallback
+
+
+def _wrapped(value: Any) -> list[Any] | None:
+    if isinstance(value, dict):
+        for name in LIST_FIELDS:
+            if isinstance(value.get(name), list):
+                return list(value[name])
+    return None
+
+
+def _json_values(text: str) -> Iterator[Any]:
     body = text.strip()
-    start, end = body.find("["), body.rfind("]")
-    if start < 0 or end < start:
-        return None
-    try:
-        parsed = json.loads(body[start : end + 1])
-    except (ValueError, RecursionError):
-        return None
-    return parsed if isinstance(parsed, list) else None
+    blocks = [body, *(match.group(1).strip() for match in _FENCE.finditer(body))]
+    decoder = json.JSONDecoder()
+    for block in blocks:
+        try:
+            yield json.loads(block)
+            continue
+        except (ValueError, RecursionError):
+            pass
+        starts = [index for index, char in enumerate(block) if char in "[{"][:MAX_JSON_STARTS]
+        for start in starts:
+            try:
+                value, _ = decoder.raw_decode(block, start)
+            except (ValueError, RecursionError):
+                continue
+            yield value

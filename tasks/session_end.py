@@ -15,13 +15,14 @@ the user answered), and never tool or system content.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy.orm import Session
 
-from store.memories import table_for, upsert_entry
+from tasks import canonical, known
 from tasks.decisions import Decision, Effect, SignalInput, normalise, parse_reply_list
+from tasks.known import Known, KnownEntries
 from worker.settings import Settings
 
 SOURCE = "session_end"
@@ -46,12 +47,44 @@ Reply with a JSON array only. Each item: {"key": snake_case name (at most 100 ch
 "evidence": an exact quote of the user's sentence that states it}. Reply [] if there is
 nothing durable."""
 
+#: Added when the user already has entries: how to reuse them instead of adding twins.
+KNOWN_PROMPT = """
+"known" lists what is already remembered about the user. Leave out facts that are
+known and unchanged. For a known fact the user changed, add "handle": its number. Give a
+new fact a key in the style of the known keys."""
+
+#: The reply's shape, for models that can be held to a JSON schema.
+RESPONSE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "facts": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "key": {"type": "string"},
+                    "value": {"type": "string"},
+                    "category": {"type": "string"},
+                    "evidence": {"type": "string"},
+                    "relation": {"type": "string", "enum": ["new", "same", "update"]},
+                    "handle": {"type": ["integer", "null"]},
+                },
+                "required": ["key", "value", "category", "evidence"],
+            },
+        }
+    },
+    "required": ["facts"],
+}
+
 
 @dataclass(frozen=True)
 class Fact:
     key: str
     value: str
     category: str
+    #: The known entry the model said this fact is (``same``) or changes (``update``).
+    target: Known | None = None
+    relation: str = "new"
 
 
 @dataclass(frozen=True)
@@ -61,6 +94,7 @@ class Extraction:
     facts: list[Fact]
     refused: list[Decision]
     model_called: bool
+    known: KnownEntries = field(default_factory=KnownEntries)
 
 
 def user_messages(payload: dict[str, Any]) -> list[str]:
@@ -102,13 +136,16 @@ def prepare(settings: Settings, signal: SignalInput) -> Extraction:
         return Extraction([], [], model_called=False)
     from worker.llm import complete
 
+    shown = known.load(settings, signal.user_id, agent_for(signal), "\n".join(said))
     task = {
         "messages": extractor_messages(signal.payload),
         "allowed_categories": sorted(settings.allowed_category_set),
         "max_facts": settings.max_writes_per_turn,
     }
+    if shown.entries:
+        task["known"] = shown.shown()
     messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "system", "content": SYSTEM_PROMPT + (KNOWN_PROMPT if shown.entries else "")},
         {
             "role": "user",
             "content": "List the durable facts about the user in this conversation.\nINPUT:\n"
@@ -123,12 +160,15 @@ def prepare(settings: Settings, signal: SignalInput) -> Extraction:
         run_id=None,
         user_id=signal.user_id,
         signal_id=signal.signal_id,
+        response_schema=RESPONSE_SCHEMA,
     )
-    facts, refused = check_candidates(reply.text, said, settings)
-    return Extraction(facts, refused, model_called=True)
+    facts, refused = check_candidates(reply.text, said, settings, shown)
+    return Extraction(facts, refused, model_called=True, known=shown)
 
 
-def check_candidates(reply: str, said: list[str], settings: Settings) -> tuple[list[Fact], list[Decision]]:
+def check_candidates(
+    reply: str, said: list[str], settings: Settings, shown: KnownEntries | None = None
+) -> tuple[list[Fact], list[Decision]]:
     """Split a model reply into facts that pass every guardrail and refused candidates."""
     effect = Effect(SOURCE)
     candidates = parse_reply_list(reply)
@@ -140,6 +180,12 @@ def check_candidates(reply: str, said: list[str], settings: Settings) -> tuple[l
     seen: set[str] = set()
     for candidate in candidates[:MAX_CANDIDATES]:
         fact, reason = _check(candidate, evidence_pool, settings)
+        if fact is not None:
+            resolved = canonical.resolve_handle(candidate, shown or KnownEntries())
+            if resolved.reason:
+                fact, reason = None, resolved.reason
+            elif resolved.target is not None:
+                fact = replace(fact, key=resolved.target.key, target=resolved.target, relation=resolved.relation)
         if fact is None:
             effect.refuse(candidate, reason)
         elif fact.key in seen:
@@ -167,9 +213,9 @@ def _check(candidate: Any, evidence_pool: list[str], settings: Settings) -> tupl
         return None, "key: reserved or contains control characters"
     if isinstance(value, int | float) and not isinstance(value, bool):
         value = str(value)
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or not canonical.clean_value(value):
         return None, "value: missing or not a string"
-    value = value.strip()
+    value = canonical.clean_value(value)
     if len(value) > MAX_VALUE:
         return None, f"value: longer than {MAX_VALUE} characters"
     if not isinstance(category, str) or category not in settings.allowed_category_set:
@@ -186,29 +232,25 @@ def _check(candidate: Any, evidence_pool: list[str], settings: Settings) -> tupl
 
 
 def apply(session: Session, settings: Settings, signal: SignalInput, extraction: Extraction) -> Effect:
-    """Write the checked facts for the signal's user and agent (EDDI upsert keys)."""
+    """Write the checked facts for the signal's user and agent (EDDI upsert keys), each
+    onto the entry it names or whose key means the same (see :mod:`tasks.canonical`)."""
     effect = Effect(SOURCE, decisions=list(extraction.refused))
-    table = table_for(settings)
-    agent = agent_for(signal)
     conversation = signal.payload.get("conversation_id")
+    writer = canonical.Writer(
+        session,
+        settings,
+        user_id=signal.user_id,
+        agent_id=agent_for(signal),
+        shown=extraction.known,
+        source=SOURCE,
+        signal_id=signal.signal_id,
+        conversation_id=conversation if isinstance(conversation, str) else None,
+    )
     for fact in extraction.facts:
-        result = upsert_entry(
-            session,
-            table,
-            user_id=signal.user_id,
-            key=fact.key,
-            value=fact.value,
-            category=fact.category,
-            source=SOURCE,
-            visibility="self",
-            source_agent_id=agent,
-            source_conversation_id=conversation if isinstance(conversation, str) else None,
-            protected_categories=settings.protected_category_set,
-            signal_id=signal.signal_id,
-        )
-        accepted = result.action != "protected"
-        outcome = result.action if accepted else "an existing protected entry has this key"
-        effect.decisions.append(Decision(fact.key, fact.value, fact.category, accepted=accepted, outcome=outcome))
-        if result.action in ("insert", "update"):
-            effect.writes[result.action] += 1
+        landed = writer.write(fact.key, fact.value, fact.category, target=fact.target, relation=fact.relation)
+        accepted = landed.action != "protected"
+        outcome = landed.outcome if accepted else "an existing protected entry has this key"
+        effect.decisions.append(Decision(landed.key, fact.value, fact.category, accepted=accepted, outcome=outcome))
+        if landed.action in ("insert", "update"):
+            effect.writes[landed.action] += 1
     return effect

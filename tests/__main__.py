@@ -3,7 +3,8 @@
 It makes sure the tools the suite drives for real are here (Debian's ``prometheus``
 package, installed when running as root with apt), that PostgreSQL and Redis answer
 (starting the local servers when their usual start commands exist), then runs pytest
-with the arguments given; the long-form ``slow`` runs only with ``-m slow``.
+with the arguments given; the long-form ``slow`` runs only with ``-m slow``, the
+real-model run only with ``-m realmodel``.
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ def main() -> int:
     import pytest
 
     args = sys.argv[1:]
-    # The long-form runs are opt-in, also when only some files are named.
+    # The long-form runs and the real-model run are opt-in, also when only some files are named.
     if not any(arg == "-m" or arg.startswith("-m") for arg in args):
-        args = ["-m", "not slow", *args]
+        args = ["-m", "not slow and not realmodel", *args]
     return int(pytest.main(args))
 
 

@@ -27,6 +27,8 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path: Path) -> None:
     # Facts from user messages are accepted; the assistant's and the tool's are refused.
     assert "favorite_color" in out and "accepted" in out
     assert "TravelBot" in out and "refused" in out
+    # A key said another way lands on the existing entry (archived first), not beside it.
+    assert "update (proposed as 'favorite_color', same meaning)" in " ".join(out.split())
     # Malformed producer rows are rejected with the field named.
     assert "payload.conversation_id" in out and "payload.events[0].at" in out
     # The dream pass pruned, flagged and summarized, and spent something under the cap.

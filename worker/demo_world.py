@@ -46,6 +46,8 @@ def entries() -> list[SeedEntry]:
         # A contradiction across agents and visibilities: same key after normalising.
         SeedEntry("alice", "language", "English", "preference", "self", "travel-agent", age_days=10),
         SeedEntry("alice", "Language", "German", "preference", "global", "coach-agent", age_days=4),
+        # Spelled the British way: a fact said later as "favorite color" lands on this entry.
+        SeedEntry("alice", "favourite_colour", "green", "preference", age_days=40),
         # Old but recalled often: the application increments access_count on recall.
         SeedEntry("alice", "seat", "aisle", "preference", age_days=150, access_count=12),
         # bruno: six facts from one agent that summarization compresses.

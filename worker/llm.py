@@ -118,11 +118,59 @@ def register_provider(provider: str, factory: Callable[[Any], Any]) -> None:
         _install(provider, factory(litellm))
 
 
-def model_name(settings: Settings) -> str:
-    """The litellm model string the settings name (``offline`` is the built-in model)."""
-    from worker.offline_model import MODEL
+def is_builtin(settings: Settings) -> bool:
+    """Whether the settings name the built-in model (``offline``, or its drifting mode)."""
+    from worker.offline_model import BUILTIN_NAMES
 
-    return MODEL if settings.llm_model == "offline" else settings.llm_model
+    return settings.llm_model in BUILTIN_NAMES
+
+
+def model_name(settings: Settings) -> str:
+    """The litellm model string the settings name (``offline`` is the built-in model;
+    ``offline/drift`` its drifting mode, seeded by ``REVERIE_LLM_DRIFT_SEED``)."""
+    from worker.offline_model import MODEL, drift_model
+
+    if settings.llm_model == "offline":
+        return MODEL
+    if is_builtin(settings):
+        return drift_model(settings.llm_drift_seed)
+    return settings.llm_model
+
+
+def response_format(settings: Settings, schema: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
+    """The ``response_format`` a call asks for (None: the prompt alone asks for JSON).
+
+    ``REVERIE_LLM_RESPONSE_FORMAT``: ``json_schema`` (OpenAI's structured output),
+    ``json_object`` (JSON mode), ``json_object_schema`` (JSON mode carrying the schema,
+    as llama.cpp's server takes it), ``none``, or ``auto``: a JSON schema where litellm
+    says the model supports one, else JSON mode where it supports that, else none.
+    """
+    if schema is None:
+        return None
+    form: str = settings.llm_response_format
+    if form == "auto":
+        form = _auto_form(settings)
+    if form == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+    if form == "json_object":
+        return {"type": "json_object"}
+    if form == "json_object_schema":
+        return {"type": "json_object", "schema": schema}
+    return None
+
+
+def _auto_form(settings: Settings) -> str:
+    if is_builtin(settings):
+        return "none"
+    litellm = _load()
+    model = settings.llm_model
+    try:
+        if litellm.supports_response_schema(model=model):
+            return "json_schema"
+        params = litellm.get_supported_openai_params(model=model) or []
+    except Exception:  # litellm raises bare Exception subclasses for models it does not know
+        return "none"
+    return "json_object" if "response_format" in params else "none"
 
 
 def prices(settings: Settings) -> tuple[float, float]:
@@ -134,7 +182,7 @@ def prices(settings: Settings) -> tuple[float, float]:
     from worker.offline_model import NOMINAL_INPUT_COST_PER_TOKEN, NOMINAL_OUTPUT_COST_PER_TOKEN
 
     given_in, given_out = settings.llm_input_cost_per_token, settings.llm_output_cost_per_token
-    if settings.llm_model == "offline":
+    if is_builtin(settings):
         return (
             NOMINAL_INPUT_COST_PER_TOKEN if given_in is None else given_in,
             NOMINAL_OUTPUT_COST_PER_TOKEN if given_out is None else given_out,
@@ -248,6 +296,7 @@ def complete(
     user_id: str | None = None,
     signal_id: int | None = None,
     json_reply: bool = True,
+    response_schema: dict[str, Any] | None = None,
 ) -> LlmReply:
     """One model call under the cost cap; see the module docstring for the errors.
 
@@ -256,7 +305,9 @@ def complete(
     the whole one. With ``json_reply`` (every Reverie prompt asks for JSON) a reply
     that holds no complete JSON value raises :class:`MalformedReply`. A signal's call
     passes ``user_id`` and ``signal_id``: it must also fit that user's day and that
-    signal's own ceiling.
+    signal's own ceiling. With
+    ``response_schema`` the call asks for structured output as :func:`response_format`
+    decides; the reply is still checked by the caller like any other.
     """
     litellm = _load()
     model = model_name(settings)
@@ -273,14 +324,21 @@ def complete(
         min_tokens=min_tokens,
     )
     ceiling = reservation.output_tokens
+    extra: dict[str, Any] = {}
+    if settings.llm_api_base:
+        extra["api_base"] = settings.llm_api_base
 
     try:
+        form = response_format(settings, response_schema, purpose)
+        if form is not None:
+            extra["response_format"] = form
         response = litellm.completion(
             model=model,
             messages=messages,
             max_tokens=ceiling,
             timeout=settings.llm_timeout_seconds,
             num_retries=0,
+            **extra,
         )
     except Exception as exc:
         kind = classify(exc)

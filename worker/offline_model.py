@@ -17,6 +17,9 @@ from typing import Any
 
 PROVIDER = "reverie-offline"
 MODEL = f"{PROVIDER}/offline"
+#: ``REVERIE_LLM_MODEL`` values that name the built-in model (and its drifting mode).
+BUILTIN_NAMES = ("offline", "offline/drift")
+_DRIFT = "drift-"
 # Nominal prices (USD per token) used when REVERIE_LLM_*_COST_PER_TOKEN are unset:
 # the order of magnitude of a small hosted model, so caps bite as they would for real.
 NOMINAL_INPUT_COST_PER_TOKEN = 1e-6
@@ -93,6 +96,22 @@ def answer(purpose: str, task: Any) -> str:
     return json.dumps(items, ensure_ascii=False)
 
 
+def drift_model(seed: int) -> str:
+    """The litellm model string of the drifting mode with this seed."""
+    return f"{PROVIDER}/{_DRIFT}{seed}"
+
+
+def drift_seed(model: str) -> int | None:
+    """The seed a drifting-mode model string carries (None: the plain built-in model)."""
+    name = model.rsplit("/", 1)[-1]
+    if not name.startswith(_DRIFT):
+        return None
+    try:
+        return int(name[len(_DRIFT) :])
+    except ValueError:
+        return None
+
+
 def build_handler() -> Any:
     """A litellm ``CustomLLM`` instance that answers with :func:`answer`."""
     import litellm
@@ -103,7 +122,13 @@ def build_handler() -> Any:
             params = kwargs.get("optional_params") or {}
             max_tokens = int(params.get("max_tokens") or 1024)
             # A module-level lookup at call time, so tests can script replies and failures.
-            text = answer(purpose_of(messages), input_of(messages))
+            seed = drift_seed(model)
+            if seed is None:
+                text = answer(purpose_of(messages), input_of(messages))
+            else:
+                from worker import offline_drift
+
+                text = offline_drift.answer(purpose_of(messages), input_of(messages), seed)
             prompt_tokens = litellm.token_counter(model=MODEL, messages=messages)
             completion_tokens = litellm.token_counter(model=MODEL, text=text, count_response_tokens=True)
             finish_reason = "stop"

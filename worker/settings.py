@@ -45,6 +45,15 @@ class Settings(BaseSettings):
     llm_output_cost_per_token: float | None = Field(default=None, ge=0)
     llm_max_output_tokens: int = Field(default=1024, ge=16, le=32768)
     llm_timeout_seconds: float = Field(default=60.0, gt=0)
+    # An OpenAI-compatible endpoint for the model (litellm's ``api_base``), e.g. a local server.
+    llm_api_base: str | None = None
+    # How to ask for JSON: ``auto`` asks for a JSON schema where litellm says the model
+    # supports one, else JSON mode where supported, else relies on the prompt alone.
+    llm_response_format: Literal["auto", "json_schema", "json_object", "json_object_schema", "none"] = "auto"
+    # Seed of the built-in model's drifting mode (``REVERIE_LLM_MODEL=offline/drift``).
+    llm_drift_seed: int = 0
+    # Tokens of the user's existing entries shown to the extracting model (0: none).
+    known_entries_token_budget: int = Field(default=600, ge=0)
     max_cost_per_run: float = Field(default=0.50, ge=0)
     max_cost_per_day: float = Field(default=5.00, ge=0)
     # What one user's signals may spend in a UTC day, and one signal over all its

@@ -1,0 +1,108 @@
+"""Write time: a proposed key that means an existing key lands on that entry (real PostgreSQL)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+
+from store.db import session_scope
+from store.models import ArchivedEntry
+from tasks.signals import process_pending
+from tests.dream_seed import entries_of, entry, seed
+from worker.producer import enqueue_signal
+from worker.settings import Settings
+
+
+def say(settings: Settings, user: str, line: str, *, agent: str = "agent-a", n: int = 0) -> Any:
+    payload = {"conversation_id": f"c{n}", "agent_id": agent, "messages": [{"role": "user", "content": line}]}
+    enqueue_signal("session_end", user, payload, agent_id=agent, settings=settings)
+    report = process_pending(settings)
+    assert report.processed == 1
+    return report.results[0]
+
+
+def rows(settings: Settings, user: str) -> list[tuple[str | None, str, Any]]:
+    return sorted((r["source_agent_id"], r["key"], r["value"]) for r in entries_of(settings, user).values())
+
+
+def archived(settings: Settings) -> list[tuple[str, str, Any]]:
+    with session_scope(settings) as session:
+        found = session.scalars(select(ArchivedEntry).order_by(ArchivedEntry.id)).all()
+        return [(a.reason, a.row["key"], a.row["value"]) for a in found]
+
+
+def test_a_key_said_another_way_lands_on_the_existing_entry(make_settings: Any) -> None:
+    # The plain offline model ignores handles: it names the fact by the user's words.
+    settings = make_settings(known_entries_token_budget=0)
+    seed(settings, [entry("ann", "favorite_color", "green", category="preference")])
+    result = say(settings, "ann", "My favourite colour is blue.")
+    assert rows(settings, "ann") == [("agent-a", "favorite_color", "blue")]
+    assert archived(settings) == [("replace", "favorite_color", "green")]
+    [decision] = result.accepted
+    assert decision.key == "favorite_color"
+    assert decision.outcome == "update (proposed as 'favourite_colour', same meaning)"
+
+
+def test_without_key_matching_the_same_fact_becomes_a_twin(make_settings: Any) -> None:
+    settings = make_settings(known_entries_token_budget=0, key_matching="off")
+    seed(settings, [entry("ann", "favorite_color", "green", category="preference")])
+    say(settings, "ann", "My favourite colour is blue.")
+    assert rows(settings, "ann") == [("agent-a", "favorite_color", "green"), ("agent-a", "favourite_colour", "blue")]
+
+
+def test_the_same_value_up_to_case_and_punctuation_changes_nothing(make_settings: Any) -> None:
+    settings = make_settings(known_entries_token_budget=0)
+    seed(settings, [entry("ann", "favorite_color", "Blue", category="preference")])
+    result = say(settings, "ann", "My favourite colour is blue!")
+    assert rows(settings, "ann") == [("agent-a", "favorite_color", "Blue")]
+    assert archived(settings) == [] and result.accepted[0].outcome.startswith("unchanged")
+
+
+def test_matching_stays_within_what_the_agent_may_see_of_its_own_user(make_settings: Any) -> None:
+    settings = make_settings(known_entries_token_budget=0)
+    seed(
+        settings,
+        [
+            entry("ann", "favorite_color", "green", category="preference", agent="agent-b"),
+            entry("bob", "favorite_color", "red", category="preference", agent="agent-a"),
+        ],
+    )
+    say(settings, "ann", "My favourite colour is blue.")
+    # agent-b's self entry and bob's entry are untouched; agent-a got its own entry.
+    assert rows(settings, "ann") == [("agent-a", "favourite_colour", "blue"), ("agent-b", "favorite_color", "green")]
+    assert rows(settings, "bob") == [("agent-a", "favorite_color", "red")]
+    assert archived(settings) == []
+
+
+def test_a_global_entry_the_agent_sees_is_updated_in_place(make_settings: Any) -> None:
+    settings = make_settings(known_entries_token_budget=0)
+    seed(settings, [entry("ann", "favorite_color", "green", category="preference", visibility="global", agent="b")])
+    say(settings, "ann", "My favourite colour is blue.")
+    assert rows(settings, "ann") == [("b", "favorite_color", "blue")]
+    assert archived(settings) == [("replace", "favorite_color", "green")]
+
+
+def test_a_matched_protected_entry_is_refused_not_rewritten(make_settings: Any) -> None:
+    settings = make_settings(known_entries_token_budget=0)
+    seed(settings, [entry("ann", "favorite_color", "green", category="legacy")])
+    result = say(settings, "ann", "My favourite colour is blue.")
+    assert rows(settings, "ann") == [("agent-a", "favorite_color", "green")]
+    assert [(d.key, d.outcome) for d in result.refused] == [
+        ("favorite_color", "an existing protected entry has this key")
+    ]
+
+
+def test_the_overwrite_can_be_put_back_from_the_archive(make_settings: Any) -> None:
+    settings = make_settings(known_entries_token_budget=0)
+    [seeded] = seed(settings, [entry("ann", "favorite_color", "green", category="preference")])
+    say(settings, "ann", "My favourite colour is blue.")
+    with session_scope(settings) as session:
+        [saved] = session.scalars(select(ArchivedEntry)).all()
+        assert saved.entry_id == seeded["id"] and saved.signal_id is not None
+        assert {k: saved.row[k] for k in ("id", "key", "value", "category")} == {
+            "id": seeded["id"],
+            "key": "favorite_color",
+            "value": "green",
+            "category": "preference",
+        }

