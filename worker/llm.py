@@ -324,21 +324,14 @@ def complete(
         min_tokens=min_tokens,
     )
     ceiling = reservation.output_tokens
-    extra: dict[str, Any] = {}
-    if settings.llm_api_base:
-        extra["api_base"] = settings.llm_api_base
-
     try:
-        form = response_format(settings, response_schema, purpose)
-        if form is not None:
-            extra["response_format"] = form
         response = litellm.completion(
             model=model,
             messages=messages,
             max_tokens=ceiling,
             timeout=settings.llm_timeout_seconds,
             num_retries=0,
-            **extra,
+            **_call_options(settings, response_schema, purpose),
         )
     except Exception as exc:
         kind = classify(exc)
@@ -398,6 +391,17 @@ def complete(
         raise MalformedReply(problem)
     metrics.LLM_REQUESTS.labels(model=label, outcome="ok").inc()
     return LlmReply(text=text, input_tokens=input_tokens, output_tokens=output_tokens, cost_usd=cost, model=label)
+
+
+def _call_options(settings: Settings, response_schema: dict[str, Any] | None, purpose: str) -> dict[str, Any]:
+    """The endpoint and the structured-output form of one call, where they apply."""
+    extra: dict[str, Any] = {}
+    if settings.llm_api_base:
+        extra["api_base"] = settings.llm_api_base
+    form = response_format(settings, response_schema, purpose)
+    if form is not None:
+        extra["response_format"] = form
+    return extra
 
 
 def _report_overrun(
