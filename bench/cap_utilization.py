@@ -159,7 +159,7 @@ def _run_all(url: str, scenario: Scenario) -> float:
             out, err = proc.communicate(timeout=600)
             if proc.returncode != 0:
                 raise RuntimeError(f"reverie run failed ({proc.returncode}): {err.decode()[-800:]}")
-            json.loads(out.decode())  # the contract's summary line: the pass finished
+            json.loads(out.decode())  # the pass's --json summary line: it finished
         return time.perf_counter() - started
 
     from schedules.cron import run_once

@@ -27,7 +27,7 @@ from worker.url_secrets import mask_secrets
 
 @dataclass
 class PassReport:
-    """The contract's ``reverie run --json`` object (section 4), plus detail."""
+    """The ``reverie run --json`` object (docs/reference.md, Command line), plus detail."""
 
     users_processed: int = 0
     users_skipped: int = 0

@@ -1,4 +1,4 @@
-"""Queries on the shared memory table (the host's; contract section 1).
+"""Queries on the shared memory table (the host's; docs/reference.md, The memory table).
 
 Every removal goes through :func:`remove_entries`, which archives each row whole,
 deletes it and records an event in one statement on PostgreSQL (one transaction on

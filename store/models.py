@@ -1,6 +1,6 @@
 """Reverie's tables (prefixed ``dream_``) and the shared memory table.
 
-The memory table belongs to the host application (EDDI's layout, contract section 1);
+The memory table belongs to the host application (EDDI's layout, docs/reference.md);
 its name is a setting, so it is built on demand by :func:`memory_table`. Reverie's own
 tables are typed ORM models. Timestamps are naive UTC; money is integer nano-USD.
 """
@@ -55,7 +55,7 @@ def _in(column: str, values: tuple[str, ...]) -> str:
 
 
 class Signal(Base):
-    """A unit of work queued by a producer (contract section 2). The row is the truth."""
+    """A unit of work queued by a producer (docs/reference.md, Signals). The row is the truth."""
 
     __tablename__ = "dream_signals"
 
@@ -399,7 +399,7 @@ MEMORY_COLUMNS = (
 
 @lru_cache(maxsize=8)
 def memory_table(name: str = "usermemories", last_access_column: str | None = None) -> Table:
-    """The host's memory table as a Core ``Table`` (the layout of contract section 1).
+    """The host's memory table as a Core ``Table`` (EDDI's layout, docs/reference.md).
 
     Reverie never creates it from this object on PostgreSQL (the migration emits
     EDDI's exact DDL) and never alters it. ``last_access_column`` names an optional

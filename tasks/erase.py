@@ -1,4 +1,4 @@
-"""``reverie erase-user``: the right to erasure (contract section 4)."""
+"""``reverie erase-user``: the right to erasure (docs/reference.md, Command line)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every Prometheus family of contract section 6, defined once.
+"""Every Prometheus family Reverie exports (docs/reference.md, Metrics), defined once.
 
 No label ever carries a user id. In the worker these live in prometheus-client's
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), so prefork children add up.

@@ -1,4 +1,4 @@
-"""Cron mode: write every metric family of contract section 6 for node-exporter.
+"""Cron mode: write every metric family (docs/reference.md, Metrics) for node-exporter.
 
 node-exporter's textfile collector reads ``*.prom`` files from a directory at any
 moment, so the file is never written in place: the exposition text goes to a temporary

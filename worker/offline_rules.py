@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-#: "my X is Y" with X of one to four words (contract section 5).
+#: "my X is Y" with X of one to four words (docs/reference.md, The offline model).
 _MY_X_IS_Y = re.compile(r"\bmy\s+(?P<x>[^\W\d_][\w'-]*(?:\s+[\w'-]+){0,3}?)\s+(?:is|are)\s+(?P<y>\S.*)", re.I)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 _PREFERENCE_WORDS = ("favorite", "favourite", "preferred")

@@ -1,4 +1,4 @@
-"""Validation of signal kinds, users and payloads (contract section 2).
+"""Validation of signal kinds, users and payloads (docs/reference.md, Signals).
 
 The JSON Schemas in ``worker/schemas/`` are the published shape; this module applies
 them plus the limits a schema cannot express (byte size, depth, NUL bytes, real

@@ -1,4 +1,4 @@
-"""Per-agent dream policy in EDDI ``dreamConfig`` field names (contract section 3).
+"""Per-agent dream policy in EDDI ``dreamConfig`` field names (docs/reference.md, Per-agent policies).
 
 A stored policy holds only the fields an operator set; the effective policy fills the
 rest from the settings' defaults. An agent's policy governs the entries it owns;

@@ -1,4 +1,4 @@
-"""The producer side: queue one signal for one user (contract section 2).
+"""The producer side: queue one signal for one user (docs/reference.md, Signals).
 
 Importing this module is cheap: it imports neither litellm nor Celery, and it never
 connects to a broker. With ``session=`` the row is written inside the caller's

@@ -1,4 +1,4 @@
-"""The one typed settings object (contract section 5).
+"""The one typed settings object (every field: docs/reference.md, Settings).
 
 Read from ``REVERIE_*`` environment variables and a ``.env`` file in the working
 directory. Modules receive a :class:`Settings` instance; none reads ``os.environ``.

@@ -1,4 +1,4 @@
-"""``reverie``: the command line (contract section 4).
+"""``reverie``: the command line (docs/reference.md, Command line).
 
 Start-up stays fast: each command imports what it needs when it runs. Every error a
 user can cause ends as one line on stderr and a non-zero exit, never a traceback.
