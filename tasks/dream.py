@@ -128,7 +128,11 @@ def _run(
     try:
         _prune_and_detect(settings, user_id, keeper=keeper, policies=policies, owners=owners, at=at, outcome=outcome)
         _summarize(settings, user_id, keeper=keeper, policies=policies, owners=owners, outcome=outcome)
-        _refresh_profiles(settings, {user_id: outcome}, policies, keeper)
+        try:
+            _refresh_profiles(settings, {user_id: outcome}, policies, keeper)
+        except (TransientError, DatabaseUnavailable) as exc:
+            # The run's memory work is committed; the profiles are rebuilt by the next pass.
+            log.warning("dream.profiles_deferred", users=1, error_type=type(exc).__name__)
         outcome.status = "succeeded"
     except (PermanentError, LeaseLost) as exc:
         outcome.status = "failed"
@@ -345,7 +349,10 @@ def dream_users(
         try:
             chunk.prune_and_detect()
             chunk.summarize(interrupts, budget_seconds)
-            chunk.refresh_profiles()
+            if not chunk.out_of_time:
+                # Out of time (soft limit or time budget): close the runs first; the
+                # profiles of users who changed are rebuilt by the next pass.
+                chunk.refresh_profiles()
         finally:
             chunk.finish(time.monotonic() - started)
     # A user left out was busy or had their schedule row locked at that instant: the
@@ -364,6 +371,7 @@ class _Chunk:
     policies: PolicyBook
     outcomes: dict[str, RunOutcome]
     carried: list[str] = field(default_factory=list)
+    out_of_time: bool = False
 
     def run_ids(self) -> dict[str, int]:
         return {u: o.run_id for u, o in self.outcomes.items() if o.run_id is not None and o.status == "running"}
@@ -470,6 +478,7 @@ class _Chunk:
 
     def _carry(self, rest: list[RunOutcome]) -> None:
         # Pruned and checked, not summarized (time is up): the next pass summarizes them.
+        self.out_of_time = True
         for outcome in rest:
             outcome.status = "succeeded"
             self.carried.append(outcome.user_id)

@@ -164,6 +164,9 @@ def check_candidates(
             resolved = canonical.resolve_handle(item, shown or KnownEntries())
             if resolved.reason:
                 candidate, reason = None, resolved.reason
+            elif resolved.target is not None and len(resolved.target.key) > MAX_KEY:
+                # Observations keep keys of at most MAX_KEY characters, like any proposed key.
+                candidate, reason = None, f"handle: its entry's key is longer than {MAX_KEY} characters"
             elif resolved.target is not None:
                 target = resolved.target
                 candidate = replace(candidate, key=target.key, target=target, relation=resolved.relation)

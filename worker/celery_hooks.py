@@ -107,7 +107,12 @@ def _preload_key_matcher(settings: Settings) -> None:
     from worker.keymatch import get_matcher
 
     started = time.perf_counter()
-    matcher = get_matcher(settings)
+    try:
+        matcher = get_matcher(settings)
+    except Exception as exc:
+        # The children build it on first use; a worker must not fail to start for it.
+        log.warning("key matcher not preloaded", error_type=type(exc).__name__)
+        return
     log.info(
         "key matcher preloaded",
         mode=settings.key_matching,

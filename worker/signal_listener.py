@@ -27,7 +27,6 @@ from celery import signals
 
 from schedules.sweeper import stranded
 from store.notices import ListenConnection, Notices, parse
-from store.types import now
 from worker.errors import BrokerUnavailable, DatabaseUnavailable
 from worker.logs import get_logger
 from worker.settings import Settings, get_settings
@@ -151,7 +150,7 @@ class SignalListener:
 
 def ready(settings: Settings) -> list[tuple[int, Any]]:
     """The signals a catch-up wakes: every ready one, with no grace (at most a sweep's worth)."""
-    return stranded(settings.model_copy(update={"sweep_grace_seconds": 0.0}), at=now())
+    return stranded(settings.model_copy(update={"sweep_grace_seconds": 0.0}))
 
 
 def _merge(first: Notices, second: Notices) -> Notices:
