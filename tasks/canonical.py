@@ -35,9 +35,17 @@ RELATIONS = ("new", "same", "update")
 _QUOTES = "\"'`\u201c\u201d\u2018\u2019"
 
 
+def _unquote(value: str) -> str:
+    # Only quotes around the whole value: "sign off with 'Warmly, Ann'" keeps its own.
+    value = value.strip()
+    while len(value) >= 2 and value[0] in _QUOTES and value[-1] in _QUOTES:
+        value = value[1:-1].strip()
+    return value
+
+
 def clean_value(value: str) -> str:
     """A proposed value without surrounding spaces, quotes or closing punctuation."""
-    return value.strip().strip(_QUOTES).strip().rstrip(".!?;:,").strip().strip(_QUOTES).strip()
+    return _unquote(_unquote(value).rstrip(".!?;:,"))
 
 
 def same_value(stored: Any, proposed: str) -> bool:
