@@ -78,7 +78,8 @@ def resolve_handle(candidate: Any, shown: KnownEntries) -> Resolved:
         relation = "new" if handle is None else "update"
     if relation not in RELATIONS:
         return Resolved("new", reason="relation: must be new, same or update")
-    if relation == "new":
+    if relation == "new" or handle is None:
+        # "update" or "same" naming no entry: a fact of its own, checked like any other.
         return Resolved("new")
     target = shown.by_handle(handle)
     if target is None:
@@ -152,7 +153,9 @@ class Writer:
             table_for(self.settings),
             row,
             value=value,
-            category=category,
+            # The entry keeps its own category: feedback naming a fact entry does not
+            # turn it into a preference.
+            category=row.category,
             source=self.source,
             source_conversation_id=self.conversation_id,
             protected_categories=self.settings.protected_category_set,

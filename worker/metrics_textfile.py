@@ -65,16 +65,17 @@ def render(source: CollectorRegistry = REGISTRY) -> bytes:
     return data
 
 
-def write_textfile(path: Path, source: CollectorRegistry = REGISTRY) -> None:
+def write_textfile(path: Path, source: CollectorRegistry = REGISTRY, *, model: str | None = None) -> None:
     """Atomically replace ``path`` with every family: counters and histograms added to
     the totals already in the file, gauges as they are now.
 
     The parent directory must exist. The file is world-readable (0644), as the
     collector usually runs as another user. On any error the target is left as it was
-    and the temporary file is removed.
+    and the temporary file is removed. ``model`` (the configured model) gives the
+    ``dream_llm_*`` families their series from the first pass, as the worker's page has.
     """
     path = Path(path)
-    initialise_label_sets()
+    initialise_label_sets(model)
     owner = (str(path.resolve()), id(source))
     with _locked(path.parent):
         previous = _read_samples(path)

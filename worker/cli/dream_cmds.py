@@ -66,9 +66,12 @@ def run(
     else:
         report = run_once(settings, users=user or (), all_users=all_users)
     if metrics_textfile is not None:
+        from worker.metrics_server import refresh_pending_gauge
         from worker.metrics_textfile import write_textfile
 
-        write_textfile(metrics_textfile)
+        # The queue gauges as the database has them now, as the worker's page shows them.
+        refresh_pending_gauge(settings)
+        write_textfile(metrics_textfile, model=settings.llm_model)
     data = report.as_dict()
     if as_json:
         print(json.dumps(data, sort_keys=True))
