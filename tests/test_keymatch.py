@@ -54,6 +54,7 @@ def test_rules_make_one_key_of_case_separators_spelling_plurals_and_abbreviation
         ("phone_1", "phone_2"),
         ("n0", "n1"),
         ("small_note_0", "big_note_0"),
+        ("note_0_1", "note_1_0"),
         ("short_term_goal", "long_term_goal"),
         ("note1", "note2"),
         ("address_line", "address_line2"),

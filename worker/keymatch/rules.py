@@ -287,6 +287,9 @@ def contrasting(a: str, b: str) -> bool:
     """True when the keys differ in a word that names a different fact (``first``/``last``,
     ``home``/``work``, ``dog``/``cat``, ``start``/``end``, ``minimum``/``maximum``, a
     negation, a number): such keys never mean the same, whatever their similarity."""
+    # Numbers count in order, inside words too: ``n0``/``n1``, ``note_0_1``/``note_1_0``.
+    if _DIGIT_RUNS.findall("_".join(words(a))) != _DIGIT_RUNS.findall("_".join(words(b))):
+        return True
     wa, wb = set(words(a)), set(words(b))
     only_a, only_b = wa - wb, wb - wa
     if not only_a and not only_b:
@@ -294,9 +297,6 @@ def contrasting(a: str, b: str) -> bool:
     if (only_a & _NEGATIONS) or (only_b & _NEGATIONS):
         return True
     if any(_DIGITS.match(w) for w in only_a | only_b):
-        return True
-    # Numbers inside a word count too: ``n0``/``n1``, ``note1``/``note2``.
-    if sorted(_DIGIT_RUNS.findall("_".join(wa))) != sorted(_DIGIT_RUNS.findall("_".join(wb))):
         return True
     return any((only_a & words_) and (only_b & words_) for words_ in CONTRAST_CLASSES)
 
