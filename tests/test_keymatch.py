@@ -55,6 +55,8 @@ def test_rules_make_one_key_of_case_separators_spelling_plurals_and_abbreviation
         ("n0", "n1"),
         ("small_note_0", "big_note_0"),
         ("note_0_1", "note_1_0"),
+        ("a0", "b0"),
+        ("x", "y"),
         ("short_term_goal", "long_term_goal"),
         ("note1", "note2"),
         ("address_line", "address_line2"),

@@ -224,6 +224,10 @@ _NEGATIONS = frozenset(("not", "non", "never", "least", "dis", "un", "anti", "wi
 # Numbered keys (``phone_1``, ``phone_2``, ``n0``, ``n1``) are different slots of one kind.
 _DIGITS = re.compile(r"^\d+$")
 _DIGIT_RUNS = re.compile(r"\d+")
+# Short words that do carry meaning in a key, or carry none (``date_of_birth``).
+_SMALL_WORDS = frozenset(
+    ("of", "in", "on", "at", "to", "by", "for", "my", "is", "id", "no", "or", "and", "the", "a", "an")
+)
 
 
 def _singular(word: str) -> str:
@@ -294,6 +298,10 @@ def contrasting(a: str, b: str) -> bool:
     only_a, only_b = wa - wb, wb - wa
     if not only_a and not only_b:
         return False
+    # A differing word of one or two letters (``a0``/``b0``, ``x``/``y``) carries no
+    # meaning a model can judge: such keys are matched by the rules alone.
+    if any(sum(c.isalpha() for c in w) < 3 and w not in _SMALL_WORDS for w in only_a | only_b):
+        return True
     if (only_a & _NEGATIONS) or (only_b & _NEGATIONS):
         return True
     if any(_DIGITS.match(w) for w in only_a | only_b):
