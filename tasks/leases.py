@@ -41,7 +41,9 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> LeaseKeeper:
-        self.renew_all()
+        # The leases were just taken: a first renewal that fails (the database away for
+        # a moment) must not stop the run before it can close its ledger rows.
+        self._renew_logged()
         self._thread = threading.Thread(target=self._beat, name="dream-lease-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -58,12 +60,15 @@ class LeaseKeeper:
     def _beat(self) -> None:
         interval = self.ttl.total_seconds() / 4
         while not self._stop.wait(interval):
-            try:
-                self.renew_all()
-            except Exception as exc:
-                # The database may be away for a moment: the next beat tries again, and
-                # the writes' own check (hold) still refuses a lease that ran out.
-                log.warning("dream_lease_renewal_failed", error_type=type(exc).__name__)
+            self._renew_logged()
+
+    def _renew_logged(self) -> None:
+        try:
+            self.renew_all()
+        except Exception as exc:
+            # The database may be away for a moment: the next beat tries again, and
+            # the writes' own check (hold) still refuses a lease that ran out.
+            log.warning("dream_lease_renewal_failed", error_type=type(exc).__name__)
 
     def renew_all(self) -> None:
         """Renew every lease still held, now; users whose lease is gone become lost."""
