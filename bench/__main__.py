@@ -26,6 +26,7 @@ MEASURES = {
     "P4": "bench.cap_utilization",
     "P5": "bench.worker_memory",
     "P6": "bench.startup",
+    "P7": "bench.profiles",
     "Q1": "bench.memory_quality",
 }
 

@@ -19,6 +19,7 @@ The cases, and what each row's goal says:
     python -m bench P3                  # the three cases above (seconds of seeding each)
     python bench/dispatcher_tick.py     # the same, printing the claim's query plan first
     python bench/dispatcher_tick.py --quick   # tiny numbers: a smoke run
+    python -m bench.dispatcher_tick --case 3000000 5787   # one case of your own
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def _explain(settings: Settings) -> str:
         "limit": settings.dispatch_max_users,
         "dirty_cutoff": at - timedelta(seconds=settings.dispatch_dirty_delay_seconds),
         "lease_cutoff": at - timedelta(seconds=settings.dispatch_lease_seconds),
+        "lease_end": at + timedelta(seconds=settings.dispatch_lease_seconds),
         "interval": interval,
         "base": (at - dispatch_store.EPOCH).total_seconds() + interval / 2,
     }
@@ -232,7 +234,21 @@ def measure(quick: bool) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny numbers: a smoke run, not a measurement")
+    parser.add_argument(
+        "--case",
+        nargs=2,
+        type=int,
+        metavar=("USERS", "DUE"),
+        help="time one case only (USERS scheduled, DUE of them due) and print its figures",
+    )
     args = parser.parse_args(argv)
+    if args.case:
+        users, due = args.case
+        one = run(users, due)
+        ticks = ", ".join(f"{t * 1000:.0f}" for t in one.ticks)
+        print(f"{users:,} users, {due:,} due: claimed {one.claimed:,}, tick median {one.tick_seconds * 1000:.0f} ms")
+        print(f"ticks (ms): {ticks}; next tick, nobody due: {one.idle_tick_seconds * 1000:.0f} ms")
+        return 0 if one.claimed == due else 1
     rows, big = _measure(args.quick)
     print(f"EXPLAIN ANALYZE of the claim ({big.users:,} users, {big.due:,} due):\n")
     print(big.plan)

@@ -16,7 +16,7 @@ PostgreSQL database, offline model. Measured in one run:
 4. the same latency for producers that only INSERT (:mod:`bench.sql_latency`): idle,
    and at half the maximum rate.
 
-Goals: activity throughput >= 50 % of the no-op task's; p99 latency < 2 s at half the
+Goals: activity throughput >= 75 % of the no-op task's; p99 latency < 2 s at half the
 maximum rate.
 
     python -m bench.signal_throughput [--quick] [--size N] [--seconds S]
@@ -65,7 +65,7 @@ QUEUE = "signals"
 #: Finished statuses: the worker has nothing more to do with the row.
 FINAL = ("done", "rejected", "dead")
 
-GOAL_RATIO = 0.5
+GOAL_RATIO = 0.75
 #: Producers of the sustained run: processes, and threads in each.
 PRODUCER_PROCESSES = 2
 PRODUCER_THREADS = 2

@@ -17,6 +17,20 @@ from worker.settings import Settings
 ROUTINES_AT = {"hour": 3, "minute": 17}
 ADOPT_EVERY_SECONDS = 3600.0
 PENDING_GAUGE_EVERY_SECONDS = 15.0
+ROUTINES_EVERY_SECONDS = 24 * 3600.0
+
+
+def periods(settings: Settings) -> dict[str, float]:
+    """Task name -> how often beat sends it, for the tasks that must run once per period
+    however many beats run (see :mod:`worker.periodic`). The dispatcher is not here:
+    its claims already make a second tick harmless, and the pending gauge is one cheap
+    count."""
+    return {
+        "schedules.sweep": settings.sweep_interval_seconds,
+        "schedules.adopt": ADOPT_EVERY_SECONDS,
+        "activity.routines": ROUTINES_EVERY_SECONDS,
+        "retention.purge": settings.purge_interval_seconds,
+    }
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:

@@ -6,18 +6,21 @@ It first settles the budget reservations that a killed pass left behind (see
 
 Without ``users`` or ``all_users`` the users due now are dreamed (see
 :mod:`store.schedule`), in chunks of ``dispatch_chunk_size`` through
-:func:`tasks.dream.dream_users`.
+:func:`tasks.dream.dream_users`, ``cron_concurrency`` chunks at a time on PostgreSQL
+(threads: a chunk's Python work overlaps another's wait on the database; each chunk
+holds its own users' leases and transactions, as a worker's would).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from store import schedule
-from store.db import session_scope
+from store.db import get_engine, session_scope
 from store.types import db_now
 from tasks.dream import RunOutcome, dream_users
 from worker.budget import reap_expired
@@ -106,17 +109,58 @@ def run_once(
     report.signals_dead = signals.dead
     chosen = users_for(settings, users=users, all_users=all_users)
     done = 0
-    # In chunks, like the dispatcher's: each chunk's database work is set-based.
-    for start in range(0, len(chosen), settings.dispatch_chunk_size):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            report.users_deferred = len(chosen) - start
-            break
-        chunk = chosen[start : start + settings.dispatch_chunk_size]
-        for outcome in dream_users(settings, chunk, trigger="cron", budget_seconds=left):
+    for outcomes in _dream_in_chunks(settings, chosen, deadline, report):
+        for outcome in outcomes:
             report.add(outcome)
             done += 1
             if on_user is not None:
                 on_user(done, len(chosen))
     report.rows_purged = purge_expired(settings).total
     return report
+
+
+def _dream_in_chunks(
+    settings: Settings, chosen: Sequence[str], deadline: float, report: PassReport
+) -> Iterator[list[RunOutcome]]:
+    """Dream ``chosen`` in chunks, like the dispatcher's (each chunk's database work is
+    set-based), up to ``cron_concurrency`` at once; yields each chunk's outcomes, in
+    this thread, as it ends. No chunk starts once the deadline has passed: the users
+    left are counted in ``report.users_deferred`` and stay due."""
+    size = settings.dispatch_chunk_size
+    chunks = [list(chosen[start : start + size]) for start in range(0, len(chosen), size)]
+    # SQLite takes one writer at a time: a second thread would only wait for the lock.
+    width = settings.cron_concurrency if get_engine(settings).dialect.name == "postgresql" else 1
+    if width == 1 or len(chunks) == 1:
+        for index, chunk in enumerate(chunks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                report.users_deferred = sum(len(c) for c in chunks[index:])
+                return
+            yield dream_users(settings, chunk, trigger="cron", budget_seconds=left)
+        return
+    pending = iter(chunks)
+    running: set[Future[list[RunOutcome]]] = set()
+    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="dream-chunk") as pool:
+        try:
+            for chunk in pending:
+                if deadline - time.monotonic() <= 0:
+                    report.users_deferred = len(chunk) + sum(len(c) for c in pending)
+                    break
+                running.add(
+                    pool.submit(
+                        dream_users, settings, chunk, trigger="cron", budget_seconds=deadline - time.monotonic()
+                    )
+                )
+                if len(running) < width:
+                    continue
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    yield future.result()
+            for future in running:
+                yield future.result()
+        except BaseException:
+            # Interrupted (Ctrl-C): the chunks under way end on their own, closing their
+            # ledger rows and giving their leases back; none starts after this.
+            for future in running:
+                future.cancel()
+            raise

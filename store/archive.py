@@ -22,11 +22,20 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, DateTime, MetaData, Table, and_, delete, func, insert, select, text, update
+from sqlalchemy import ColumnElement, DateTime, MetaData, Table, and_, delete, func, select, text, tuple_, update
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from store import entry_state
-from store.memories import Removed, archive_rows, host_columns, quoted_name, record_events, remove_entries
+from store.memories import (
+    Removed,
+    archive_rows,
+    host_columns,
+    one_entry,
+    quoted_name,
+    record_events,
+    remove_entries,
+)
 from store.models import ArchivedEntry, Event, Run, Signal
 from store.types import now
 from worker.errors import NotFound
@@ -80,24 +89,25 @@ def _restore(
     writes = _Writer(session, table, run_id=run_id, signal_id=signal_id)
     removed, kept = _take_out_inserts(session, table, events_of)
     archived = session.execute(
-        select(ArchivedEntry.id, ArchivedEntry.entry_id, ArchivedEntry.reason, ArchivedEntry.row)
+        select(ArchivedEntry.id, ArchivedEntry.user_id, ArchivedEntry.entry_id, ArchivedEntry.reason, ArchivedEntry.row)
         .where(archived_of, ArchivedEntry.restored_at.is_(None), ArchivedEntry.reason.in_(RESTORABLE))
         .order_by(ArchivedEntry.id)
     ).all()
     # An entry overwritten twice by one run or signal comes back as it was before the first.
-    first_replace: dict[str, list[int]] = {}
-    for archive_id, entry_id, reason, _ in archived:
+    # Entries are named by (user id, entry id): the host may number its rows per user.
+    first_replace: dict[tuple[str, str], list[int]] = {}
+    for archive_id, user_id, entry_id, reason, _ in archived:
         if reason == "replace":
-            first_replace.setdefault(entry_id, []).append(archive_id)
+            first_replace.setdefault((user_id, entry_id), []).append(archive_id)
     restored: list[int] = []
     conflicts = 0
-    for archive_id, entry_id, reason, raw in archived:
+    for archive_id, user_id, entry_id, reason, raw in archived:
         data = json.loads(raw) if isinstance(raw, str) else dict(raw)
         if reason == "replace":
-            ids = first_replace[entry_id]
+            ids = first_replace[(user_id, entry_id)]
             if archive_id != ids[0]:
                 continue
-            outcome = writes.put_back_value(data, _written_at(session, events_of, entry_id, "update"))
+            outcome = writes.put_back_value(data, _written_at(session, events_of, user_id, entry_id, "update"))
             if outcome == "changed":
                 kept += 1
                 continue
@@ -107,7 +117,11 @@ def _restore(
         if session.scalar(select(table.c.id).where(_clash(table, data)).limit(1)) is not None:
             conflicts += 1
             continue
-        writes.insert(data)
+        if not writes.insert(data):
+            # Taken by a key the look above cannot see (the host's primary key is its
+            # own to choose): the row stays in the archive.
+            conflicts += 1
+            continue
         restored.append(archive_id)
     if restored:
         session.execute(update(ArchivedEntry).where(ArchivedEntry.id.in_(restored)).values(restored_at=now()))
@@ -125,21 +139,31 @@ def _restore(
 def _take_out_inserts(session: Session, table: Table, events_of: ColumnElement[bool]) -> tuple[list[Removed], int]:
     """Remove the entries the run or signal inserted and nobody changed since; returns
     what was removed and how many were left in place because they changed."""
-    inserted = select(Event.entry_id, Event.at).where(events_of, Event.action == "insert").subquery("inserted")
-    untouched = select(inserted.c.entry_id).where(
-        inserted.c.entry_id == table.c.id, inserted.c.at == table.c.updated_at
+    inserted = (
+        select(Event.user_id, Event.entry_id, Event.at).where(events_of, Event.action == "insert").subquery("inserted")
     )
+    untouched = select(inserted.c.entry_id).where(
+        inserted.c.entry_id == table.c.id, inserted.c.user_id == table.c.user_id, inserted.c.at == table.c.updated_at
+    )
+    entry = tuple_(table.c.user_id, table.c.id)
     present = int(
-        session.scalar(select(func.count()).select_from(table).where(table.c.id.in_(select(inserted.c.entry_id)))) or 0
+        session.scalar(
+            select(func.count()).select_from(table).where(entry.in_(select(inserted.c.user_id, inserted.c.entry_id)))
+        )
+        or 0
     )
     removed = remove_entries(session, table, untouched.exists(), reason="restore", source="restore")
     return removed, present - len(removed)
 
 
-def _written_at(session: Session, events_of: ColumnElement[bool], entry_id: str, action: str) -> datetime | None:
+def _written_at(
+    session: Session, events_of: ColumnElement[bool], user_id: str, entry_id: str, action: str
+) -> datetime | None:
     """When the run or signal last wrote this entry (the ``updated_at`` it left)."""
     return session.scalar(
-        select(Event.at).where(events_of, Event.entry_id == entry_id, Event.action == action).order_by(Event.id.desc())
+        select(Event.at)
+        .where(events_of, Event.user_id == user_id, Event.entry_id == entry_id, Event.action == action)
+        .order_by(Event.id.desc())
     )
 
 
@@ -167,19 +191,20 @@ class _Writer:
         application wrote the row after Reverie did: left alone) or ``missing`` (the row
         is gone: the caller inserts it like a removed one)."""
         table = self.table
-        current = self.session.execute(
-            select(table.c.id, table.c.updated_at).where(table.c.id == data["id"]).with_for_update()
-        ).first()
+        this = one_entry(table, data["user_id"], data["id"])
+        current = self.session.execute(select(table.c.id, table.c.updated_at).where(this).with_for_update()).first()
         if current is None:
             return "missing"
         if written_at is None or current.updated_at != written_at:
             return "changed"
-        archive_rows(self.session, table, table.c.id == data["id"], reason="restore")
-        self.session.execute(delete(table).where(table.c.id == data["id"]))
+        archive_rows(self.session, table, this, reason="restore")
+        self.session.execute(delete(table).where(this))
         self.insert(data)
         return "put back"
 
-    def insert(self, data: dict[str, Any]) -> None:
+    def insert(self, data: dict[str, Any]) -> bool:
+        """Insert an archived row whole; False when a unique key of the host's table
+        already holds it (nothing written then)."""
         if self._host_columns is None:
             self._host_columns = [column["name"] for column in host_columns(self.session, self.table)]
         columns = [name for name in self._host_columns if name in data]
@@ -188,10 +213,10 @@ class _Writer:
             preparer = self.session.get_bind().dialect.identifier_preparer
             names = ", ".join(preparer.quote(name) for name in columns)
             name = quoted_name(self.session, self.table)
-            self.session.execute(
+            result = self.session.execute(
                 text(
                     f"INSERT INTO {name} ({names}) SELECT {names} "
-                    f"FROM jsonb_populate_record(NULL::{name}, CAST(:row AS jsonb))"
+                    f"FROM jsonb_populate_record(NULL::{name}, CAST(:row AS jsonb)) ON CONFLICT DO NOTHING"
                 ),
                 {"row": json.dumps(data)},
             )
@@ -201,9 +226,12 @@ class _Writer:
             for name in columns:
                 if isinstance(row[name], str) and isinstance(live.c[name].type, DateTime):
                     row[name] = datetime.fromisoformat(row[name])
-            self.session.execute(insert(live).values(**row))
+            result = self.session.execute(sqlite_insert(live).values(**row).on_conflict_do_nothing())
+        if not result.rowcount:  # type: ignore[attr-defined]
+            return False
         self.done.append(Removed(data["id"], data["user_id"], data["key"]))
         self.recalls.append((data["id"], data["user_id"], int(data.get("access_count") or 0)))
+        return True
 
     def finish(self) -> None:
         record_events(
@@ -220,7 +248,7 @@ class _Writer:
 
 
 def _clash(table: Table, row: dict[str, Any]) -> Any:
-    same_id = table.c.id == row["id"]
+    same_id = one_entry(table, row["user_id"], row["id"])
     same_key = and_(table.c.user_id == row["user_id"], table.c.key == row["key"])
     if row.get("visibility") == "global":
         taken = and_(same_key, table.c.visibility == "global")

@@ -11,16 +11,21 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import psycopg
 from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.errors import ConfigError, DatabaseUnavailable, SchemaMissing
+from worker.logs import get_logger
 from worker.settings import Settings
 from worker.url_secrets import mask_secrets, mask_url
+
+log = get_logger(__name__)
 
 _engines: dict[tuple[int, str], Engine] = {}
 T = TypeVar("T")
@@ -47,8 +52,85 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def build_engine(url: str, **kwargs: Any) -> Engine:
-    """A new engine for ``url``; PostgreSQL connections fail fast instead of hanging."""
+@dataclass(frozen=True)
+class SessionGuards:
+    """How both ends of a PostgreSQL connection notice that the other has vanished.
+
+    A host cut off from the network says nothing: without these, the server keeps its
+    session (and every row lock its open transaction holds: a dream lease, a signal)
+    until TCP gives up, two hours later by default, and the host itself waits up to
+    fifteen minutes on a reply that cannot come. The server ends a session whose
+    transaction has been idle ``idle_in_transaction_seconds`` (Reverie never waits
+    inside a transaction: model calls happen between them), and each side probes a
+    silent connection after ``keepalive_seconds`` and drops it two probes later.
+    Zero leaves the server's (or the operating system's) setting.
+    """
+
+    idle_in_transaction_seconds: float = 0.0
+    keepalive_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, settings: Settings) -> SessionGuards:
+        return cls(settings.database_idle_in_transaction_seconds, settings.database_keepalive_seconds)
+
+    def _probes(self) -> tuple[int, int, int]:
+        idle = max(1, round(self.keepalive_seconds))
+        interval = max(1, round(self.keepalive_seconds / 2))
+        # Unacknowledged data counts the same: a reply that cannot arrive ends the wait.
+        return idle, interval, (idle + 2 * interval) * 1000
+
+    def client_args(self) -> dict[str, Any]:
+        """libpq connection parameters for this side (the Reverie host)."""
+        if not self.keepalive_seconds:
+            return {}
+        idle, interval, user_timeout = self._probes()
+        return {
+            "keepalives": 1,
+            "keepalives_idle": idle,
+            "keepalives_interval": interval,
+            "keepalives_count": 2,
+            "tcp_user_timeout": user_timeout,
+        }
+
+    def server_settings(self) -> dict[str, str]:
+        """Session settings for the server's side of the connection."""
+        values: dict[str, str] = {}
+        if self.idle_in_transaction_seconds:
+            values["idle_in_transaction_session_timeout"] = str(max(1, round(self.idle_in_transaction_seconds * 1000)))
+        if self.keepalive_seconds:
+            idle, interval, user_timeout = self._probes()
+            values |= {
+                "tcp_keepalives_idle": str(idle),
+                "tcp_keepalives_interval": str(interval),
+                "tcp_keepalives_count": "2",
+                "tcp_user_timeout": str(user_timeout),
+            }
+        return values
+
+    def apply(self, dbapi_connection: Any) -> None:
+        """Set :meth:`server_settings` on a new connection (as a ``SET`` would, so it
+        works behind a pooler in session mode), and leave no transaction open. A
+        setting the server refuses (an old version, a system without the option) is
+        skipped with a warning; the others still apply."""
+        values = self.server_settings()
+        if not values:
+            return
+        autocommit = dbapi_connection.autocommit
+        dbapi_connection.autocommit = True
+        try:
+            with dbapi_connection.cursor() as cursor:
+                for name, value in values.items():
+                    try:
+                        cursor.execute("SELECT set_config(%s, %s, false)", (name, value))
+                    except psycopg.Error as exc:  # refused by the server: skip this one
+                        log.warning("database_setting_refused", setting=name, error_type=type(exc).__name__)
+        finally:
+            dbapi_connection.autocommit = autocommit
+
+
+def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any) -> Engine:
+    """A new engine for ``url``; PostgreSQL connections fail fast instead of hanging,
+    and with ``guards`` notice a vanished peer (see :class:`SessionGuards`)."""
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
@@ -67,10 +149,17 @@ def build_engine(url: str, **kwargs: Any) -> Engine:
     # pg_stat_activity; a name given in the URL (``?application_name=``) wins.
     if "application_name" not in parsed.query:
         connect_args.setdefault("application_name", APPLICATION_NAME)
+    if guards is not None:
+        for name, value in guards.client_args().items():
+            if name not in parsed.query:
+                connect_args.setdefault(name, value)
     try:
-        return create_engine(url, connect_args=connect_args, **kwargs)
+        engine = create_engine(url, connect_args=connect_args, **kwargs)
     except ModuleNotFoundError as exc:
         raise ConfigError(f"database driver missing: {exc.name}") from exc
+    if guards is not None and guards.server_settings():
+        event.listen(engine, "connect", lambda dbapi_connection, _record: guards.apply(dbapi_connection))
+    return engine
 
 
 def get_engine(settings: Settings) -> Engine:
@@ -78,7 +167,7 @@ def get_engine(settings: Settings) -> Engine:
     key = (os.getpid(), settings.database_url)
     engine = _engines.get(key)
     if engine is None:
-        engine = _engines[key] = build_engine(settings.database_url)
+        engine = _engines[key] = build_engine(settings.database_url, guards=SessionGuards.of(settings))
     return engine
 
 
@@ -113,26 +202,41 @@ def session_scope(settings: Settings) -> Iterator[Session]:
 
 
 def closing_transaction(
-    settings: Settings, work: Callable[[Session], T], *, attempts: int = 5, pause: float = 0.2
+    settings: Settings,
+    work: Callable[[Session], T],
+    *,
+    within: float = 30.0,
+    pause: float = 0.2,
+    attempts: int | None = None,
 ) -> T:
     """Run ``work`` in a transaction of its own, again on a fresh connection when the
-    connection was lost (:class:`DatabaseUnavailable`), up to ``attempts`` times.
+    connection was lost (:class:`DatabaseUnavailable`), for up to ``within`` seconds
+    (and at most ``attempts`` times, when given), waiting a little longer each time.
 
     For the short transactions that close what a task opened (a run's ledger row, a
-    lease): one dropped connection must not leave them open until a lease runs out.
-    ``work`` must be safe to repeat, since a commit whose reply was lost may have
-    happened. Raises the last :class:`DatabaseUnavailable` when every attempt failed.
+    lease): a database that drops connections for a while must not leave them open
+    until a lease runs out, which is many minutes. ``work`` must be safe to repeat,
+    since a commit whose reply was lost may have happened. Raises the last
+    :class:`DatabaseUnavailable` when the time (or the attempts) ran out.
     """
-    for attempt in range(1, attempts + 1):
+    began = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             with session_scope(settings) as session:
                 return work(session)
         except DatabaseUnavailable:
-            if attempt == attempts:
+            wait = min(pause * attempt, 2.0)
+            if (attempts is not None and attempt >= attempts) or time.monotonic() - began + wait > within:
                 raise
             # The pool's pre-ping replaces dead connections on the next checkout.
-            time.sleep(pause * attempt)
-    raise AssertionError("unreachable")
+            time.sleep(wait)
+
+
+#: The server ended the session (the driver reports these as internal errors, not as a
+#: lost connection): the work is rolled back and may be tried again on a new one.
+_ENDED_BY_SERVER = ("IdleInTransactionSessionTimeout", "IdleSessionTimeout")
 
 
 @contextmanager
@@ -147,6 +251,8 @@ def translate_errors(settings: Settings) -> Iterator[None]:
             raise SchemaMissing(_first_line(exc.orig)) from exc
         raise
     except DBAPIError as exc:
+        if exc.connection_invalidated or type(exc.orig).__name__ in _ENDED_BY_SERVER:
+            raise DatabaseUnavailable(safe_url(settings.database_url), _first_line(exc.orig)) from exc
         if "UndefinedTable" in type(exc.orig).__name__:
             raise SchemaMissing(_first_line(exc.orig)) from exc
         raise

@@ -2,8 +2,12 @@
 
 A user is due when ``next_dream_at`` has passed, or when a change marked them dirty at
 least ``dirty_delay`` ago and no run has been sent since that change (or the one sent
-is older than the dispatch lease). Claiming advances ``next_dream_at`` to the user's
-next slot and stamps ``dispatched_at`` in the same statement; on PostgreSQL it locks
+is older than the dispatch lease). Claiming moves ``next_dream_at`` to the end of the
+dispatch lease (or the user's next slot, if that comes first) and stamps
+``dispatched_at`` in the same statement. The claim is a lease, not a promise kept by the
+broker: the run that is sent moves ``next_dream_at`` on to the next slot when it
+finishes (:func:`store.schedule.mark_dreamed`); a run whose message was lost, or whose
+worker died, never does, and the user is due again when the lease ends. On PostgreSQL it locks
 with ``FOR UPDATE SKIP LOCKED`` through the two schedule indexes, so its cost follows
 the number of due users and a concurrent claim never returns the same user.
 """
@@ -52,8 +56,11 @@ WITH timed AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE dream_user_state AS s
-SET next_dream_at = TIMESTAMP '1970-01-01'
-        + make_interval(secs => ceil((:base - {_PG_PHASE}) / :interval) * :interval + {_PG_PHASE}),
+SET next_dream_at = LEAST(
+        TIMESTAMP '1970-01-01'
+            + make_interval(secs => ceil((:base - {_PG_PHASE}) / :interval) * :interval + {_PG_PHASE}),
+        :lease_end
+    ),
     dispatched_at = :at
 WHERE s.user_id = ANY(ARRAY(SELECT user_id FROM timed UNION SELECT user_id FROM dirty LIMIT :limit))
 RETURNING s.user_id
@@ -86,18 +93,23 @@ def claim_due_users(
     dirty_delay_seconds: float,
     lease_seconds: float,
 ) -> list[str]:
-    """Claim up to ``limit`` due users: advance each to their next slot, stamp the
-    dispatch, and return their ids (in no particular order). Commit before sending.
-    ``at`` defaults to the database's clock, which stamped ``dirty_since`` too."""
+    """Claim up to ``limit`` due users: make each due again when the dispatch lease
+    ends (or at their next slot, if sooner), stamp the dispatch, and return their ids
+    (in no particular order). Commit before sending. The run sent for them moves them
+    to their next slot when it finishes; if it never runs, they are claimed again after
+    ``lease_seconds``. ``at`` defaults to the database's clock, which stamped
+    ``dirty_since`` too."""
     at = at or db_now(session)
     dirty_cutoff = at - timedelta(seconds=dirty_delay_seconds)
     lease_cutoff = at - timedelta(seconds=lease_seconds)
+    lease_end = at + timedelta(seconds=lease_seconds)
     if session.get_bind().dialect.name == "postgresql":
         params = {
             "at": at,
             "limit": limit,
             "dirty_cutoff": dirty_cutoff,
             "lease_cutoff": lease_cutoff,
+            "lease_end": lease_end,
             "interval": float(interval_seconds),
             "base": (at - EPOCH).total_seconds() + interval_seconds / 2,
         }
@@ -109,6 +121,7 @@ def claim_due_users(
         interval_seconds=interval_seconds,
         dirty_cutoff=dirty_cutoff,
         lease_cutoff=lease_cutoff,
+        lease_end=lease_end,
     )
 
 
@@ -120,6 +133,7 @@ def _claim_portable(
     interval_seconds: float,
     dirty_cutoff: datetime,
     lease_cutoff: datetime,
+    lease_end: datetime,
 ) -> list[str]:
     # SQLite has one writer at a time: the UPDATE takes the write lock before it reads,
     # so a concurrent claim waits and then no longer sees these users as due.
@@ -144,7 +158,7 @@ def _claim_portable(
         table = cast(Table, UserState.__table__)
         session.execute(
             update(table).where(table.c.user_id == bindparam("uid")).values(next_dream_at=bindparam("next_at")),
-            [{"uid": uid, "next_at": next_slot(uid, at, interval_seconds)} for uid in claimed],
+            [{"uid": uid, "next_at": min(next_slot(uid, at, interval_seconds), lease_end)} for uid in claimed],
         )
     return claimed
 

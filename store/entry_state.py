@@ -46,7 +46,7 @@ def observe_recalls(session: Session, table: Table, users: str | Collection[str]
             case((count > 0, literal(at, EntryState.last_recalled_at.type)), else_=None),
             literal(at, EntryState.seen_at.type),
         )
-        .select_from(table.outerjoin(known, known.c.entry_id == table.c.id))
+        .select_from(table.outerjoin(known, and_(known.c.entry_id == table.c.id, known.c.user_id == table.c.user_id)))
         .where(_of_users(table, users), or_(count > 0, known.c.entry_id.is_not(None)))
     )
     columns = ["entry_id", "user_id", "access_count_seen", "last_recalled_at", "seen_at"]
@@ -57,7 +57,7 @@ def observe_recalls(session: Session, table: Table, users: str | Collection[str]
     grew = excluded.access_count_seen > EntryState.access_count_seen
     session.execute(
         statement.on_conflict_do_update(
-            index_elements=[EntryState.entry_id],
+            index_elements=[EntryState.user_id, EntryState.entry_id],
             set_={
                 "last_recalled_at": case((grew, excluded.seen_at), else_=EntryState.last_recalled_at),
                 "access_count_seen": excluded.access_count_seen,
@@ -90,9 +90,8 @@ def mark_restored(session: Session, entries: Collection[tuple[str, str, int]], a
     excluded = statement.excluded
     session.execute(
         statement.on_conflict_do_update(
-            index_elements=[EntryState.entry_id],
+            index_elements=[EntryState.user_id, EntryState.entry_id],
             set_={
-                "user_id": excluded.user_id,
                 "access_count_seen": excluded.access_count_seen,
                 "last_recalled_at": excluded.last_recalled_at,
                 "seen_at": excluded.seen_at,
@@ -106,7 +105,10 @@ def forget_missing(session: Session, table: Table, users: str | Collection[str])
     of_users = EntryState.user_id == users if isinstance(users, str) else EntryState.user_id.in_(sorted(users))
     gone = delete(EntryState).where(
         of_users,
-        ~select(table.c.id).where(table.c.id == EntryState.entry_id).correlate(EntryState).exists(),
+        ~select(table.c.id)
+        .where(table.c.id == EntryState.entry_id, table.c.user_id == EntryState.user_id)
+        .correlate(EntryState)
+        .exists(),
     )
     return int(session.execute(gone).rowcount or 0)  # type: ignore[attr-defined]
 
@@ -137,11 +139,13 @@ def _stale(
     # per statement) that compare with the row itself: when the application recalls the
     # entry while the DELETE waits for its row lock, PostgreSQL re-checks this
     # condition on the new row version (READ COMMITTED) and the entry lives.
-    quiet = select(EntryState.entry_id, EntryState.access_count_seen).where(
+    # An entry is named by (user_id, id): the host may number its rows per user.
+    quiet = select(EntryState.user_id, EntryState.entry_id, EntryState.access_count_seen).where(
         _state_of(users), or_(EntryState.last_recalled_at.is_(None), EntryState.last_recalled_at < cutoff)
     )
-    known = select(EntryState.entry_id).where(_state_of(users))
-    unrecalled = or_(tuple_(table.c.id, count).in_(quiet), and_(count == 0, table.c.id.not_in(known)))
+    known = select(EntryState.user_id, EntryState.entry_id).where(_state_of(users))
+    entry = (table.c.user_id, table.c.id)
+    unrecalled = or_(tuple_(*entry, count).in_(quiet), and_(count == 0, tuple_(*entry).not_in(known)))
     condition = and_(touched < cutoff, unrecalled)
     if last_access_column:
         accessed = table.c[last_access_column]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
@@ -34,6 +34,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    tuple_,
     update,
     values,
 )
@@ -226,10 +227,10 @@ def _remove_portable(
     if not rows:
         return []
     at = now()
-    ids = [row.id for row in rows]
+    entries = [(row.user_id, row.id) for row in rows]
     _archive_fetched(session, rows, reason=reason, run_id=run_id, signal_id=signal_id, at=at)
-    for start in range(0, len(ids), 500):
-        session.execute(delete(table).where(table.c.id.in_(ids[start : start + 500])))
+    for start in range(0, len(entries), 500):
+        session.execute(delete(table).where(tuple_(table.c.user_id, table.c.id).in_(entries[start : start + 500])))
     removed = [Removed(row.id, row.user_id, row.key) for row in rows]
     record_events(session, removed, action="delete", source=source, run_id=run_id, signal_id=signal_id, at=at)
     return removed
@@ -387,7 +388,7 @@ def unchanged_since_read(session: Session, table: Table, rows: Sequence[Any]) ->
             same_value = func.json(table.c.value) == func.json(json.dumps(value))
         conditions.append(
             and_(
-                table.c.id == row.id,
+                one_entry(table, row.user_id, row.id),
                 table.c.key == row.key,
                 same_value,
                 table.c.updated_at.is_not_distinct_from(row.updated_at),
@@ -494,11 +495,12 @@ def _replace(
     if existing.value == value and existing.category == category:
         return Upserted(existing.id, "unchanged")
     at = now()
-    archive_rows(session, table, table.c.id == existing.id, reason="replace", run_id=run_id, signal_id=signal_id)
+    this = one_entry(table, existing.user_id, existing.id)
+    archive_rows(session, table, this, reason="replace", run_id=run_id, signal_id=signal_id)
     changes: dict[str, Any] = {"value": value, "category": category, "updated_at": at}
     if source_conversation_id is not None:
         changes["source_conversation_id"] = source_conversation_id
-    session.execute(update(table).where(table.c.id == existing.id).values(**changes))
+    session.execute(update(table).where(this).values(**changes))
     record_events(
         session,
         [Removed(existing.id, existing.user_id, existing.key)],
@@ -591,13 +593,29 @@ def contradiction_candidates(
     return list(session.execute(stmt).all())
 
 
-def set_conflicted(session: Session, table: Table, entry_ids: list[str], flag: bool) -> int:
-    """Set ``conflicted`` on the given entries (only where it differs); returns rows changed."""
-    if not entry_ids:
-        return 0
-    result = session.execute(
-        update(table)
-        .where(table.c.id.in_(entry_ids), func.coalesce(table.c.conflicted, False).is_not(flag))
-        .values(conflicted=flag)
-    )
-    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+def set_conflicted(session: Session, table: Table, entries: list[tuple[str, str]], flag: bool) -> int:
+    """Set ``conflicted`` on the given entries, each named by (user id, entry id), only
+    where it differs; returns rows changed."""
+    changed = 0
+    for start in range(0, len(entries), 500):
+        result = session.execute(
+            update(table)
+            .where(
+                tuple_(table.c.user_id, table.c.id).in_(entries[start : start + 500]),
+                func.coalesce(table.c.conflicted, False).is_not(flag),
+            )
+            .values(conflicted=flag)
+        )
+        changed += int(result.rowcount or 0)  # type: ignore[attr-defined]
+    return changed
+
+
+def one_entry(table: Table, user_id: str, entry_id: str) -> ColumnElement[bool]:
+    """The user's entry ``entry_id``. An id names a row only with its user: a host whose
+    memory table is distributed keys it by (user_id, id)."""
+    return and_(table.c.user_id == user_id, table.c.id == entry_id)
+
+
+def entries_of(table: Table, user_id: str, entry_ids: Collection[str]) -> ColumnElement[bool]:
+    """The user's entries with these ids (see :func:`one_entry`)."""
+    return and_(table.c.user_id == user_id, table.c.id.in_(sorted(entry_ids)))

@@ -52,3 +52,13 @@ def upgrade(settings: Settings, revision: str = "head") -> tuple[str | None, str
 
 def is_current(settings: Settings) -> bool:
     return current_revision(settings) == head_revision()
+
+
+def downgrade(settings: Settings, revision: str) -> tuple[str | None, str]:
+    """Take the schema back to ``revision``; returns (revision before, revision after)."""
+    before = current_revision(settings)
+    config = _config(settings)
+    with translate_errors(settings), get_engine(settings).begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+    return before, current_revision(settings) or "base"

@@ -15,11 +15,12 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
-    ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
@@ -41,6 +42,7 @@ NAMING_CONVENTION = {
 SIGNAL_KINDS = ("session_end", "feedback", "activity")
 SIGNAL_STATUSES = ("pending", "processing", "done", "rejected", "failed", "dead")
 RUN_STATUSES = ("running", "succeeded", "failed", "skipped")
+RUN_RUNNING = "status = 'running'"
 #: Signals whose payload retention may empty: finished for good, payload still there.
 FINISHED_WITH_PAYLOAD = "status IN ('done', 'rejected') AND payload_purged_at IS NULL"
 
@@ -48,6 +50,18 @@ FINISHED_WITH_PAYLOAD = "status IN ('done', 'rejected') AND payload_purged_at IS
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {datetime: Timestamp, dict[str, Any]: JsonType}
+
+
+def _numbered_key() -> PrimaryKeyConstraint:
+    # Includes user_id, so the table can be distributed by it (store.distribution);
+    # id first, so a lookup by id alone still uses the key's index. SQLite keeps id as
+    # its whole key (store.distribution.NUMBERED), which is all the ORM relies on.
+    return PrimaryKeyConstraint("id", "user_id")
+
+
+#: The ORM identifies a row of a numbered table by ``id`` alone: the database numbers
+#: it from one sequence, so it never repeats, and ``session.get(Model, id)`` keeps working.
+BY_ID: dict[str, Any] = {"primary_key": ["id"]}
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
@@ -58,8 +72,9 @@ class Signal(Base):
     """A unit of work queued by a producer (docs/reference.md, Signals). The row is the truth."""
 
     __tablename__ = "dream_signals"
+    __mapper_args__ = BY_ID
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, autoincrement=True)
     kind: Mapped[str] = mapped_column(String(32))
     user_id: Mapped[str] = mapped_column(String(255))
     agent_id: Mapped[str | None] = mapped_column(String(255))
@@ -80,6 +95,7 @@ class Signal(Base):
     payload_purged_at: Mapped[datetime | None]
 
     __table_args__ = (
+        _numbered_key(),
         CheckConstraint(_in("status", SIGNAL_STATUSES), name="status"),
         UniqueConstraint("user_id", "idempotency_key"),
         Index(
@@ -109,8 +125,9 @@ class Run(Base):
     """The ledger: one row per dream run of one user."""
 
     __tablename__ = "dream_runs"
+    __mapper_args__ = BY_ID
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, autoincrement=True)
     user_id: Mapped[str] = mapped_column(String(255))
     scope: Mapped[str] = mapped_column(String(32), server_default="user")
     trigger: Mapped[str] = mapped_column(String(16), server_default="manual")
@@ -127,9 +144,12 @@ class Run(Base):
     error: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
+        _numbered_key(),
         CheckConstraint(_in("status", RUN_STATUSES), name="status"),
         Index("ix_dream_runs_user_id_started_at", "user_id", "started_at"),
         Index("ix_dream_runs_started_at", "started_at"),
+        # Ledger rows a stopped worker left open, closed by the run that takes the user over.
+        Index("ix_dream_runs_running", "user_id", postgresql_where=text(RUN_RUNNING), sqlite_where=text(RUN_RUNNING)),
     )
 
 
@@ -137,9 +157,10 @@ class ArchivedEntry(Base):
     """A whole memory-table row, copied before Reverie removed or replaced it."""
 
     __tablename__ = "dream_archive"
+    __mapper_args__ = BY_ID
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[int | None] = mapped_column(ForeignKey("dream_runs.id", ondelete="CASCADE"))
+    id: Mapped[int] = mapped_column(BigId, autoincrement=True)
+    run_id: Mapped[int | None] = mapped_column(BigId)
     signal_id: Mapped[int | None] = mapped_column(BigId)
     user_id: Mapped[str] = mapped_column(String(255))
     entry_id: Mapped[str] = mapped_column(String(64))
@@ -149,6 +170,10 @@ class ArchivedEntry(Base):
     restored_at: Mapped[datetime | None]
 
     __table_args__ = (
+        _numbered_key(),
+        # The run's rows go with the run. user_id on both sides: a foreign key between
+        # two distributed tables must hold the distribution column.
+        ForeignKeyConstraint(["user_id", "run_id"], ["dream_runs.user_id", "dream_runs.id"], ondelete="CASCADE"),
         Index("ix_dream_archive_run_id", "run_id"),
         Index("ix_dream_archive_signal_id", "signal_id"),
         Index("ix_dream_archive_user_id", "user_id"),
@@ -160,8 +185,9 @@ class Contradiction(Base):
     """Entries of one user whose normalised keys agree and values do not."""
 
     __tablename__ = "dream_contradictions"
+    __mapper_args__ = BY_ID
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, autoincrement=True)
     user_id: Mapped[str] = mapped_column(String(255))
     norm_key: Mapped[str] = mapped_column(String(255))
     entry_ids: Mapped[Any] = mapped_column(JsonType)
@@ -173,6 +199,7 @@ class Contradiction(Base):
     closed_at: Mapped[datetime | None]
 
     __table_args__ = (
+        _numbered_key(),
         CheckConstraint("status IN ('open', 'closed')", name="status"),
         Index(
             "uq_dream_contradictions_open",
@@ -184,6 +211,9 @@ class Contradiction(Base):
         ),
         Index("ix_dream_contradictions_user_id", "user_id"),
     )
+
+
+USER_IN_FLIGHT = "dispatched_at IS NOT NULL AND (last_dream_at IS NULL OR last_dream_at < dispatched_at)"
 
 
 class UserState(Base):
@@ -211,6 +241,14 @@ class UserState(Base):
             postgresql_where=text("dirty_since IS NOT NULL"),
             sqlite_where=text("dirty_since IS NOT NULL"),
         ),
+        # Users sent a run that has not started yet: what an autoscaler counts as dream
+        # work in flight (ops/k8s/keda-scaledobject.yaml), read without a table scan.
+        Index(
+            "ix_dream_user_state_in_flight",
+            "dispatched_at",
+            postgresql_where=text(USER_IN_FLIGHT),
+            sqlite_where=text(USER_IN_FLIGHT),
+        ),
     )
 
 
@@ -219,21 +257,27 @@ class EntryState(Base):
 
     __tablename__ = "dream_entry_state"
 
+    # Keyed per user: the host's memory table may number its rows per user (its key
+    # (user_id, id) when it is distributed), so an entry id alone names no row.
     entry_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    user_id: Mapped[str] = mapped_column(String(255))
+    user_id: Mapped[str] = mapped_column(String(255), primary_key=True)
     access_count_seen: Mapped[int] = mapped_column(Integer, server_default="0")
     last_recalled_at: Mapped[datetime | None]
     seen_at: Mapped[datetime] = mapped_column(server_default=utcnow())
 
-    __table_args__ = (Index("ix_dream_entry_state_user_id", "user_id"),)
+    __table_args__ = (
+        PrimaryKeyConstraint("user_id", "entry_id"),
+        Index("ix_dream_entry_state_user_id", "user_id"),
+    )
 
 
 class Event(Base):
     """Every write or removal Reverie makes to the memory table. Never the value."""
 
     __tablename__ = "dream_events"
+    __mapper_args__ = BY_ID
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, autoincrement=True)
     user_id: Mapped[str] = mapped_column(String(255))
     entry_id: Mapped[str] = mapped_column(String(64))
     key: Mapped[str] = mapped_column(String(255))
@@ -244,6 +288,7 @@ class Event(Base):
     at: Mapped[datetime] = mapped_column(server_default=utcnow())
 
     __table_args__ = (
+        _numbered_key(),
         Index("ix_dream_events_user_id", "user_id"),
         Index("ix_dream_events_run_id", "run_id"),
         Index("ix_dream_events_signal_id", "signal_id"),
@@ -302,8 +347,9 @@ class Observation(Base):
     """A candidate preference from feedback, promoted once it recurs enough."""
 
     __tablename__ = "dream_observations"
+    __mapper_args__ = BY_ID
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, autoincrement=True)
     user_id: Mapped[str] = mapped_column(String(255))
     # '' when the feedback named no agent, so the unique key below works everywhere.
     agent_id: Mapped[str] = mapped_column(String(255), server_default="")
@@ -316,7 +362,10 @@ class Observation(Base):
     last_seen_at: Mapped[datetime] = mapped_column(server_default=utcnow())
     promoted_at: Mapped[datetime | None]
 
-    __table_args__ = (Index("uq_dream_observations_candidate", "user_id", "agent_id", "key", unique=True),)
+    __table_args__ = (
+        _numbered_key(),
+        Index("uq_dream_observations_candidate", "user_id", "agent_id", "key", unique=True),
+    )
 
 
 class KeyVector(Base):
@@ -335,8 +384,9 @@ class ActivityEvent(Base):
     """One event of an ``activity`` signal, kept for routine detection."""
 
     __tablename__ = "dream_activity"
+    __mapper_args__ = BY_ID
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, autoincrement=True)
     user_id: Mapped[str] = mapped_column(String(255))
     agent_id: Mapped[str] = mapped_column(String(255), server_default="")
     action: Mapped[str] = mapped_column(String(255))
@@ -344,7 +394,10 @@ class ActivityEvent(Base):
     attributes: Mapped[Any | None] = mapped_column(JsonType)
     signal_id: Mapped[int | None] = mapped_column(BigId)
 
-    __table_args__ = (Index("ix_dream_activity_user_id_action_at", "user_id", "action", "at"),)
+    __table_args__ = (
+        _numbered_key(),
+        Index("ix_dream_activity_user_id_action_at", "user_id", "action", "at"),
+    )
 
 
 class Profile(Base):

@@ -18,7 +18,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from store.db import safe_url
+from store.db import SessionGuards, safe_url
 from worker.errors import DatabaseUnavailable
 from worker.settings import Settings
 
@@ -83,6 +83,7 @@ class ListenConnection:
 
     def __init__(self, settings: Settings) -> None:
         self._where = safe_url(settings.database_url)
+        guards = SessionGuards.of(settings)
         try:
             self._conn = psycopg.connect(
                 _conninfo(settings),
@@ -90,13 +91,12 @@ class ListenConnection:
                 connect_timeout=5,
                 application_name=APPLICATION_NAME,
                 # A half-open connection (a host gone without a word) is noticed in
-                # seconds, not after the kernel's retransmissions give up.
-                keepalives=1,
-                keepalives_idle=10,
-                keepalives_interval=5,
-                keepalives_count=3,
-                tcp_user_timeout=15000,
+                # seconds, not after the kernel's retransmissions give up: on this
+                # side, and on the server's, which otherwise keeps a vanished
+                # listener's session, and its advisory lock, for hours.
+                **guards.client_args(),
             )
+            guards.apply(self._conn)
         except psycopg.Error as exc:
             raise DatabaseUnavailable(self._where, _first_line(exc)) from exc
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, Text, case, cast, delete, false, func, insert, or_, select
+from sqlalchemy import ColumnElement, Table, Text, and_, case, cast, delete, false, func, insert, or_, select, text
 from sqlalchemy.orm import Session
 
 from store.models import EntryState, Profile
@@ -32,15 +32,18 @@ class Fingerprint:
 
     @classmethod
     def of(cls, rows: Sequence[Any]) -> Fingerprint:
-        """The fingerprint of rows read from the memory table."""
-        stamps = [r.updated_at for r in rows if r.updated_at is not None]
-        return cls(
-            rows=len(rows),
-            updated_at=max(stamps) if stamps else None,
-            recalls=sum(int(r.access_count or 0) for r in rows),
-            conflicted=sum(1 for r in rows if r.conflicted),
-            content=sum(int(r.content_hash or 0) for r in rows),
-        )
+        """The fingerprint of rows read from the memory table (one pass over them)."""
+        latest: datetime | None = None
+        recalls = conflicted = content = 0
+        for row in rows:
+            stamp = row.updated_at
+            if stamp is not None and (latest is None or stamp > latest):
+                latest = stamp
+            recalls += int(row.access_count or 0)
+            if row.conflicted:
+                conflicted += 1
+            content += int(row.content_hash or 0)
+        return cls(rows=len(rows), updated_at=latest, recalls=recalls, conflicted=conflicted, content=content)
 
 
 def content_hash(session: Session, table: Table) -> ColumnElement[Any]:
@@ -138,7 +141,9 @@ def entries_for_build(
             content_hash(session, table).label("content_hash"),
             func.coalesce(case((stale, True), else_=False), false()).label("stale"),
         )
-        .select_from(table.outerjoin(EntryState, EntryState.entry_id == table.c.id))
+        .select_from(
+            table.outerjoin(EntryState, and_(EntryState.entry_id == table.c.id, EntryState.user_id == table.c.user_id))
+        )
         .where(table.c.user_id.in_(users))
         .order_by(table.c.user_id, table.c.id)
     )
@@ -154,20 +159,65 @@ def replace_profiles(session: Session, user_ids: Collection[str], rows: Iterable
         return 0
     session.execute(delete(Profile).where(Profile.user_id.in_(users)))
     fresh = list(rows)
-    if fresh:
+    if not fresh:
+        return 0
+    columns = list(fresh[0])
+    if session.get_bind().dialect.name == "postgresql" and all(list(r) == columns for r in fresh):
+        _copy(session, columns, fresh)
+    else:
         session.execute(insert(Profile), fresh)
     return len(fresh)
 
 
-def read(session: Session, user_id: str, agent_id: str | None) -> Profile | None:
+def _copy(session: Session, columns: list[str], rows: list[dict[str, Any]]) -> None:
+    # COPY in the session's own transaction: a sweep writes thousands of profiles, and
+    # an executemany spends most of its time binding each row's parameters.
+    from psycopg.types.json import Jsonb
+
+    known = {c.name for c in Profile.__table__.columns}
+    if not set(columns) <= known:
+        raise ValueError(f"not columns of dream_profiles: {sorted(set(columns) - known)}")
+    layout = columns.index("layout") if "layout" in columns else -1
+    raw = session.connection().connection.driver_connection
+    assert raw is not None
+    statement = f"COPY dream_profiles ({', '.join(columns)}) FROM STDIN"  # names checked above
+    with raw.cursor() as cursor, cursor.copy(statement) as copy:
+        for row in rows:
+            values = [row[c] for c in columns]
+            if layout >= 0:
+                values[layout] = Jsonb(values[layout])
+            copy.write_row(values)
+
+
+def texts(session: Session, user_ids: Collection[str]) -> dict[tuple[str, str], str]:
+    """The stored text of every profile of ``user_ids``, keyed by (user, agent)."""
+    users = sorted(set(user_ids))
+    if not users:
+        return {}
+    stmt = select(Profile.user_id, Profile.agent_id, Profile.text).where(Profile.user_id.in_(users))
+    return {(row.user_id, row.agent_id): row.text for row in session.execute(stmt)}
+
+
+_READ_COLUMNS = "user_id, agent_id, text, tokens, budget, entries_included, entries_left_out, built_at"
+_READ_WHERE = (
+    "FROM dream_profiles WHERE user_id = :user_id AND agent_id IN (:agent_id, '') ORDER BY agent_id DESC LIMIT 1"
+)
+_READ_TYPES = {"built_at": Profile.__table__.c.built_at.type, "layout": Profile.__table__.c.layout.type}
+# Plain statements built once: a read is on every prompt, so it skips building and
+# keying an expression each time. The layout is sent only when a cut needs it.
+_READ = text(f"SELECT {_READ_COLUMNS}, NULL AS layout {_READ_WHERE}").columns(**_READ_TYPES)
+_READ_FOR_CUT = text(
+    f"SELECT {_READ_COLUMNS}, CASE WHEN tokens > :over THEN layout END AS layout {_READ_WHERE}"
+).columns(**_READ_TYPES)
+
+
+def read(session: Session, user_id: str, agent_id: str | None, *, layout_over: int | None = None) -> Any:
     """The profile ``agent_id`` reads (one primary-key lookup): its own, or, for an agent
     that owns no entries of the user, the agent-less one (the global entries, which is
-    exactly what such an agent may see)."""
-    agents = [NO_AGENT] if not agent_id else [agent_id, NO_AGENT]
-    stmt = (
-        select(Profile)
-        .where(Profile.user_id == user_id, Profile.agent_id.in_(agents))
-        .order_by(Profile.agent_id.desc())
-        .limit(1)
-    )
-    return session.scalars(stmt).first()
+    exactly what such an agent may see). A row of the columns a reader needs (None: no
+    profile); its ``layout`` is read only when the profile holds more than
+    ``layout_over`` tokens (a reader's cut needs it then), else it is None."""
+    params: dict[str, Any] = {"user_id": user_id, "agent_id": agent_id or NO_AGENT}
+    if layout_over is None:
+        return session.execute(_READ, params).first()
+    return session.execute(_READ_FOR_CUT, {**params, "over": layout_over}).first()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Table, func, select
+from sqlalchemy import Table, and_, func, select
 from sqlalchemy.orm import Session
 
 from store.models import ArchivedEntry, Contradiction, Event, Run, Signal
@@ -52,7 +52,7 @@ def written_entries(session: Session, table: Table, sources: tuple[str, ...]) ->
         select(
             Event.source, Event.action, Event.signal_id, table.c.user_id, table.c.key, table.c.value, table.c.category
         )
-        .join(table, table.c.id == Event.entry_id)
+        .join(table, and_(table.c.id == Event.entry_id, table.c.user_id == Event.user_id))
         .where(Event.source.in_(sources), Event.action != "delete")
         .order_by(Event.id)
     )

@@ -23,6 +23,26 @@ class RunCounts:
     groups_deferred: int = 0
 
 
+#: What a ledger row says when a later run closed it for a run that never did.
+ABANDONED = "the run stopped before it closed its ledger row (its worker ended); the next run of this user closed it"
+
+
+def close_abandoned(session: Session, user_ids: Sequence[str]) -> int:
+    """Close, as failed, the ``running`` ledger rows of ``user_ids``; for the caller that
+    has just taken their leases, so no run of theirs is under way: such a row was left
+    by a worker that stopped (killed, out of memory) before closing it. A run that only
+    lost its lease and still lives closes its own row again later, when it ends."""
+    if not user_ids:
+        return 0
+    result = session.execute(
+        update(Run)
+        .where(Run.user_id.in_(sorted(user_ids)), Run.status == "running")
+        .values(status="failed", finished_at=db_now(session), error=ABANDONED)
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
 def start_run(session: Session, user_id: str, *, scope: str = "user", trigger: str = "manual") -> int:
     """A new ``running`` ledger row; returns its id."""
     run_id = session.execute(
@@ -70,6 +90,16 @@ def runs_of(session: Session, user_id: str) -> list[Run]:
     return list(session.scalars(select(Run).where(Run.user_id == user_id).order_by(Run.id)))
 
 
+_PG_START = text(
+    """
+INSERT INTO dream_runs (user_id, scope, trigger, status, started_at)
+SELECT u, :scope, :trigger, 'running', :at FROM unnest(CAST(:ids AS varchar[])) WITH ORDINALITY AS v(u, n)
+ORDER BY n
+RETURNING user_id, id
+"""
+)
+
+
 def start_runs(
     session: Session, user_ids: Sequence[str], *, scope: str = "user", trigger: str = "manual"
 ) -> dict[str, int]:
@@ -77,6 +107,9 @@ def start_runs(
     if not user_ids:
         return {}
     at = db_now(session)
+    if session.get_bind().dialect.name == "postgresql":
+        params = {"ids": list(user_ids), "scope": scope, "trigger": trigger, "at": at}
+        return {row.user_id: int(row.id) for row in session.execute(_PG_START, params)}
     rows = session.execute(
         insert(Run).returning(Run.user_id, Run.id),
         [

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, or_, select, union, update
+from sqlalchemy import case, or_, select, text, union, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -88,16 +88,28 @@ def defer(session: Session, user_id: str, next_at: datetime) -> None:
     session.execute(update(UserState).where(UserState.user_id == user_id).values(next_dream_at=next_at))
 
 
+_PG_DREAMED = text(
+    """
+INSERT INTO dream_user_state (user_id, last_dream_at, next_dream_at, dirty_since)
+SELECT u, :at, :next_at, NULL FROM unnest(CAST(:ids AS varchar[])) AS u
+ON CONFLICT (user_id) DO UPDATE SET
+    last_dream_at = EXCLUDED.last_dream_at,
+    next_dream_at = EXCLUDED.next_dream_at,
+    dirty_since = CASE WHEN dream_user_state.dirty_since > :at THEN dream_user_state.dirty_since END
+"""
+)
+
+
 def mark_dreamed_many(session: Session, user_ids: Sequence[str], at: datetime, next_at: datetime) -> None:
     """:func:`mark_dreamed` for several users whose dreams started at ``at`` (one statement)."""
     if not user_ids:
         return
+    if session.get_bind().dialect.name == "postgresql":
+        # One array parameter, not one per user: nothing to compile per chunk.
+        session.execute(_PG_DREAMED, {"ids": list(user_ids), "at": at, "next_at": next_at})
+        return
     still_dirty = case((UserState.dirty_since > at, UserState.dirty_since), else_=None)
     rows = [{"user_id": uid, "last_dream_at": at, "next_dream_at": next_at, "dirty_since": None} for uid in user_ids]
     set_ = {"last_dream_at": at, "next_dream_at": next_at, "dirty_since": still_dirty}
-    if session.get_bind().dialect.name == "postgresql":
-        pg = pg_insert(UserState).values(rows)
-        session.execute(pg.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_))
-    else:
-        lite = sqlite_insert(UserState).values(rows)
-        session.execute(lite.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_))
+    lite = sqlite_insert(UserState).values(rows)
+    session.execute(lite.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_))

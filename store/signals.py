@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Text, and_, cast, exists, func, or_, select, text, tuple_, update
+from sqlalchemy import Text, and_, cast, exists, func, literal, null, or_, select, text, tuple_, union_all, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased, defer
 
 from store.models import Signal
-from store.types import db_now
+from store.types import db_now, now, utcnow
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,14 @@ class Claimed:
     has_payload: bool = False
 
 
-def _claimable(at: datetime) -> Any:
+def _clock(session: Session) -> Any:
+    """The database's current time for use inside a statement: on PostgreSQL the
+    expression itself (no round trip to read it first), on SQLite (embedded, the same
+    clock) this host's time."""
+    return utcnow() if session.get_bind().dialect.name == "postgresql" else now()
+
+
+def _claimable(at: Any) -> Any:
     return or_(
         and_(Signal.status.in_(READY_STATUSES), Signal.available_at <= at),
         and_(Signal.status == "processing", Signal.claimed_until < at),
@@ -173,6 +180,8 @@ def claim_signals(
     max_attempts: int | None = None,
     with_payload: bool = False,
     also_kinds: Sequence[str] = (),
+    bury_own: bool = False,
+    buried_rows: list[tuple[int, str]] | None = None,
 ) -> list[Claimed]:
     """Move up to ``limit`` claimable signals to ``processing`` under a new lease.
 
@@ -185,8 +194,27 @@ def claim_signals(
     each claim carries its payload as JSON text, read in the same statement. With
     ``signal_id`` and ``also_kinds``, that signal is claimed first if it can be and the
     rest of ``limit`` is filled with the oldest claimable signals of those kinds.
+    With ``bury_own`` (and ``signal_id`` and ``max_attempts``), that signal is also
+    buried as :func:`bury_exhausted` would, in the same statement on PostgreSQL; each
+    row buried is appended to ``buried_rows``.
     """
-    at = db_now(session)
+    if buried_rows is None:
+        buried_rows = []
+    if bury_own and session.get_bind().dialect.name != "postgresql":
+        claimed = claim_signals(
+            session,
+            lease_seconds=lease_seconds,
+            limit=limit,
+            signal_id=signal_id,
+            after_id=after_id,
+            max_attempts=max_attempts,
+            with_payload=with_payload,
+            also_kinds=also_kinds,
+        )
+        if signal_id is not None and max_attempts is not None:
+            buried_rows.extend(bury_exhausted(session, max_attempts=max_attempts, signal_id=signal_id))
+        return claimed
+    at = _clock(session)
     token = str(uuid.uuid4())
     candidates = select(Signal.id).where(_claimable(at)).limit(limit)
     if signal_id is not None and also_kinds:
@@ -235,7 +263,10 @@ def claim_signals(
         .returning(*returned)
         .execution_options(synchronize_session=False)
     )
-    rows = session.execute(statement).all()
+    if bury_own and signal_id is not None and max_attempts is not None:
+        rows = _claim_and_bury(session, statement, _bury_statement(at, max_attempts, signal_id), buried_rows)
+    else:
+        rows = list(session.execute(statement).all())
     claimed = [
         Claimed(
             r.id,
@@ -253,13 +284,33 @@ def claim_signals(
     return sorted(claimed, key=lambda c: c.signal_id)
 
 
+def _claim_and_bury(session: Session, claim: Any, bury: Any, buried_rows: list[tuple[int, str]]) -> list[Any]:
+    """Run a claim and a burial as one statement; the claimed rows (the buried ones go
+    to ``buried_rows``). The claim takes only rows with attempts left and the burial
+    only rows without, so the two never touch the same row."""
+    claimed = claim.cte("claimed")
+    buried = bury.cte("buried")
+    names = [column.name for column in claimed.c]
+    both = union_all(
+        select(literal(False).label("buried"), *claimed.c),
+        select(literal(True), buried.c.id, buried.c.kind, *(null() for _ in names[2:])),
+    )
+    rows = session.execute(both).all()
+    buried_rows.extend((r.id, r.kind) for r in rows if r.buried)
+    return [r for r in rows if not r.buried]
+
+
 def bury_exhausted(session: Session, *, max_attempts: int, signal_id: int | None = None) -> list[tuple[int, str]]:
     """Mark ``dead`` the signals whose lease expired after their last attempt (only
     ``signal_id``, if given).
 
     Returns (id, kind) of each row buried, for the metrics.
     """
-    at = db_now(session)
+    statement = _bury_statement(_clock(session), max_attempts, signal_id)
+    return [(r.id, r.kind) for r in session.execute(statement)]
+
+
+def _bury_statement(at: Any, max_attempts: int, signal_id: int | None) -> Any:
     statement = (
         update(Signal)
         .where(Signal.status == "processing", Signal.claimed_until < at, Signal.attempts >= max_attempts)
@@ -274,7 +325,7 @@ def bury_exhausted(session: Session, *, max_attempts: int, signal_id: int | None
     )
     if signal_id is not None:
         statement = statement.where(Signal.id == signal_id)
-    return [(r.id, r.kind) for r in session.execute(statement)]
+    return statement
 
 
 def load_payload_text(session: Session, signal_id: int) -> tuple[bool, str | None]:
@@ -344,18 +395,19 @@ def finish_signals(session: Session, claims: Sequence[tuple[int, str]], *, statu
     """:func:`finish_signal` for many (id, claim token) pairs in one statement, ``done``
     or ``rejected``; returns the ids whose claim still held, and the time recorded."""
     assert status in ("done", "rejected")
-    at = db_now(session)
     statement = (
         update(Signal)
         .where(
             tuple_(Signal.id, Signal.claim_token).in_([tuple(claim) for claim in claims]),
             Signal.status == "processing",
         )
-        .values(status=status, last_error=None, claim_token=None, claimed_until=None, processed_at=at)
-        .returning(Signal.id)
+        .values(status=status, last_error=None, claim_token=None, claimed_until=None, processed_at=_clock(session))
+        .returning(Signal.id, Signal.processed_at)
         .execution_options(synchronize_session=False)
     )
-    return set(session.scalars(statement)), at
+    rows = session.execute(statement).all()
+    # Every row of one statement has the same time; with none, nothing was recorded.
+    return {row.id for row in rows}, rows[0].processed_at if rows else db_now(session)
 
 
 def pending_counts(session: Session) -> dict[str, int]:

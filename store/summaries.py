@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import Table, and_, insert, select
 from sqlalchemy.orm import Session
 
-from store.memories import Removed, record_events, remove_entries
+from store.memories import Removed, entries_of, record_events, remove_entries
 from store.types import now
 
 
@@ -77,12 +77,13 @@ def replace_group(
 ) -> list[str] | None:
     """Swap ``originals`` for ``items``; returns the new entry ids, or None when an
     original changed or vanished since it was read (nothing written then)."""
-    ids = [row.id for row in originals]
-    current = session.execute(select(table).where(table.c.id.in_(ids)).with_for_update()).all()
-    if sorted(map(snapshot, current), key=str) != sorted(map(snapshot, originals), key=str):
-        return None
     first = originals[0]
     user_id, visibility, agent_id = first.user_id, first.visibility, first.source_agent_id
+    # A group is one user's: its ids name rows only with that user.
+    these = entries_of(table, user_id, [row.id for row in originals])
+    current = session.execute(select(table).where(these).with_for_update()).all()
+    if sorted(map(snapshot, current), key=str) != sorted(map(snapshot, originals), key=str):
+        return None
     category = first.category or "fact"
     group_ids: list[Any] = []
     for row in originals:
@@ -95,7 +96,7 @@ def replace_group(
         for gid in raw or []:
             if gid not in group_ids:
                 group_ids.append(gid)
-    remove_entries(session, table, table.c.id.in_(ids), reason="summarize", source="summarize", run_id=run_id)
+    remove_entries(session, table, these, reason="summarize", source="summarize", run_id=run_id)
 
     taken = _taken_keys(session, table, user_id, visibility, agent_id)
     at = now()

@@ -130,7 +130,7 @@ class _Pass:
             survivors = [r for r in rows if r.id not in gone_ids]
             if _distinct_values(survivors) < 2:
                 # Resolved: the values that remain agree.
-                self.writes.flag([r.id for r in survivors], False)
+                self.writes.flag(self.user_id, [r.id for r in survivors], False)
                 if existing is not None:
                     store.close(self.session, [existing.id], self.at)
                 else:
@@ -138,7 +138,7 @@ class _Pass:
                 self.resolved += 1
                 return
             rows = survivors
-        self.writes.flag([r.id for r in rows], True)
+        self.writes.flag(self.user_id, [r.id for r in rows], True)
         if existing is None:
             self.record(norm_key, rows, "flag")
         elif existing.fingerprint != _fingerprint(rows):
@@ -146,7 +146,7 @@ class _Pass:
 
     def close_stale(self, stale: list[Contradiction]) -> None:
         for contradiction in stale:
-            self.writes.flag(store.entry_ids_of(contradiction), False)
+            self.writes.flag(self.user_id, store.entry_ids_of(contradiction), False)
         store.close(self.session, [c.id for c in stale], self.at)
 
     def counts(self) -> ContradictionCounts:
@@ -157,17 +157,18 @@ class _Pass:
 class _Writes:
     """Flag changes (the last one per entry wins) and new contradictions, written together."""
 
-    flags: dict[str, bool] = field(default_factory=dict)
+    # Keyed by (user id, entry id): the host may number its rows per user.
+    flags: dict[tuple[str, str], bool] = field(default_factory=dict)
     found: list[dict[str, Any]] = field(default_factory=list)
 
-    def flag(self, entry_ids: list[str], value: bool) -> None:
+    def flag(self, user_id: str, entry_ids: list[str], value: bool) -> None:
         for entry_id in entry_ids:
-            self.flags.pop(entry_id, None)
-            self.flags[entry_id] = value
+            self.flags.pop((user_id, entry_id), None)
+            self.flags[(user_id, entry_id)] = value
 
     def flush(self, session: Session, table: Table) -> None:
         for value in (True, False):
-            set_conflicted(session, table, [i for i, v in self.flags.items() if v is value], value)
+            set_conflicted(session, table, [e for e, v in self.flags.items() if v is value], value)
         store.record_many(session, self.found)
 
 

@@ -27,6 +27,7 @@ from store.types import db_now, nano_to_usd, usd_to_nano
 from tasks import profiles
 from tasks.contradictions import ContradictionCounts, detect, detect_many
 from tasks.leases import LeaseKeeper
+from tasks.profile_writer import ProfileWriter
 from tasks.prune import prune_user, prune_users
 from tasks.summarize import SummaryCounts, summarize_user
 from worker import budget, metrics
@@ -68,6 +69,8 @@ class RunOutcome:
 
 
 def lease_ttl(settings: Settings) -> timedelta:
+    if settings.dream_lease_seconds is not None:
+        return timedelta(seconds=settings.dream_lease_seconds)
     # Long enough for a model call to time out between renewals, short enough that a
     # crashed worker's user is picked up again within the hour.
     return timedelta(seconds=max(600.0, 4 * settings.llm_timeout_seconds))
@@ -99,12 +102,13 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
             )
         policies = book(settings, policy_store.all_configs(session))
         scope = "user" if agent_id is None else f"agent:{agent_id}"[:32]
+        runs.close_abandoned(session, [user_id])
         run_id = runs.start_run(session, user_id, scope=scope, trigger=trigger)
         spend_store.ensure_lines(session, [_budget_line(policies, run_id)])
     started = time.monotonic()
     outcome = RunOutcome(user_id=user_id, status="running", run_id=run_id)
     try:
-        with LeaseKeeper(settings, token, ttl, [user_id]) as keeper:
+        with LeaseKeeper(settings, token, ttl, [user_id], until=at + ttl) as keeper:
             _run(settings, user_id, keeper=keeper, at=at, policies=policies, agent_id=agent_id, outcome=outcome)
     finally:
         closing_transaction(settings, lambda session: locks.release(session, user_id, token))
@@ -177,15 +181,18 @@ def _prune_and_detect(
 def _refresh_profiles(
     settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook, keeper: LeaseKeeper
 ) -> None:
-    """Rebuild the profiles of the users whose memory changed (one transaction), only
-    for users whose lease the run still holds (an erased user never gets one back). A
-    failure leaves the old profiles, and the next pass tries again (the fingerprint
-    still differs); it does not fail the runs, whose memory work is committed."""
+    """Rebuild the profiles of the users whose memory changed, only for users whose
+    lease the run still holds (an erased user never gets one back). Three steps: one
+    short transaction reads, the text is built (and, where a policy says so, written by
+    the model) outside any transaction, and one transaction writes, taking the leases
+    last so their rows are locked only for the commit. A failure leaves the old
+    profiles, and the next pass tries again (the fingerprint still differs); it does not
+    fail the runs, whose memory work is committed."""
+    if not settings.build_profiles:
+        return
     started = time.monotonic()
     try:
-        with session_scope(settings) as session:
-            held = keeper.hold_many(session, sorted(outcomes))
-            made = profiles.refresh(session, settings, held, book=policies)
+        made = _rebuild(settings, outcomes, policies, keeper)
     except (TransientError, DatabaseUnavailable):
         raise
     except Exception as exc:
@@ -199,8 +206,38 @@ def _refresh_profiles(
             metrics.PROFILE_TOKENS.observe(tokens)
 
 
+def _rebuild(
+    settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook, keeper: LeaseKeeper
+) -> dict[str, list[int]]:
+    with session_scope(settings) as session:
+        read = profiles.plan(session, settings, [u for u in sorted(outcomes) if not keeper.lost(u)], book=policies)
+    if not read.users:
+        return {}
+    writer = None
+    if profiles.writes_with_model(policies):
+        run_ids = {u: o.run_id for u, o in outcomes.items()}
+        writer = ProfileWriter(settings, run_ids, profiles.counter(settings))
+    composed = profiles.compose(settings, read, book=policies, writer=writer)
+    users = read.users
+    while users:
+        with session_scope(settings) as session:
+            profiles.save(session, composed, users)
+            # Last, so the leases' rows are locked only for the commit.
+            held = keeper.hold_many(session, users)
+            if len(held) == len(users):
+                break
+            session.rollback()
+        users = [u for u in users if u in held]
+    return composed.tokens(users)
+
+
 def _summarizes(policies: PolicyBook) -> bool:
     return any(p.summarizes for p in (policies.default, *policies.agents.values()))
+
+
+def _calls_model(settings: Settings, policies: PolicyBook) -> bool:
+    """Whether a run may call the model: it summarizes, or the model writes profiles."""
+    return _summarizes(policies) or (settings.build_profiles and profiles.writes_with_model(policies))
 
 
 def _summarize(
@@ -339,12 +376,13 @@ def dream_users(
         at = db_now(session)
         leased = locks.acquire_many(session, ids, token, ttl)
         policies = book(settings, policy_store.all_configs(session))
+        runs.close_abandoned(session, leased)
         run_ids = runs.start_runs(session, leased, scope="user", trigger=trigger)
-        if _summarizes(policies):
+        if _calls_model(settings, policies):
             spend_store.ensure_lines(session, [_budget_line(policies, run_id) for run_id in run_ids.values()])
     started = time.monotonic()
     # Every lease of the chunk is renewed while any of its users is worked on.
-    with LeaseKeeper(settings, token, ttl, leased) as keeper:
+    with LeaseKeeper(settings, token, ttl, leased, until=at + ttl) as keeper:
         chunk = _Chunk(settings, keeper, at, policies, {u: RunOutcome(u, "running", run_id=run_ids[u]) for u in leased})
         try:
             chunk.prune_and_detect()
@@ -498,7 +536,7 @@ class _Chunk:
             held = set(self.keeper.hold_many(session, sorted(self.outcomes)))
             costs: dict[int, int] = {}
             for outcome in outcomes:
-                if outcome.run_id is not None and _summarizes(self.policies):
+                if outcome.run_id is not None and _calls_model(self.settings, self.policies):
                     # Only a run that may have called the model has spend to read.
                     costs[outcome.run_id] = spend_store.spent_nano(session, "run", budget.run_key(outcome.run_id))
                     outcome.cost_usd = nano_to_usd(costs[outcome.run_id])

@@ -31,10 +31,20 @@ log = get_logger(__name__)
 class LeaseKeeper:
     """The leases held under ``token`` for ``user_ids``; a context manager that runs the heartbeat."""
 
-    def __init__(self, settings: Settings, token: str, ttl: timedelta, user_ids: Sequence[str]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        token: str,
+        ttl: timedelta,
+        user_ids: Sequence[str],
+        *,
+        until: datetime | None = None,
+    ) -> None:
         self.settings, self.token, self.ttl = settings, token, ttl
-        # user -> the lease's end as last renewed (the database's clock; None: not yet).
-        self._held: dict[str, datetime | None] = dict.fromkeys(user_ids)
+        # user -> the lease's end as last renewed (the database's clock), from the end it
+        # was taken with (``until``): a run cut off before its first renewal still knows
+        # when its lease ran out, so its ledger row never ends after a later run began.
+        self._held: dict[str, datetime | None] = dict.fromkeys(user_ids, until)
         self._lost: dict[str, datetime | None] = {}
         self._mutex = threading.Lock()
         self._stop = threading.Event()
@@ -108,7 +118,7 @@ class LeaseKeeper:
             return user_id in self._lost
 
     def ended_at(self, user_id: str) -> datetime | None:
-        """When a lost lease ran out, as last known (None: never renewed)."""
+        """When a lost lease ran out, as last known (None: not known)."""
         with self._mutex:
             return self._lost.get(user_id, self._held.get(user_id))
 

@@ -164,7 +164,9 @@ def process_signal(settings: Settings, signal_id: int) -> str:
     """
     buried: list[tuple[int, str]] = []
     with _statement_scope(settings) as session:
-        # The claim reads the payloads too: one statement before the work.
+        # One statement before the work: the claim reads the payloads, and buries the
+        # signal if it is out of attempts with an expired lease (the sweeper's wake-up
+        # for such a row lands here, so burying on this path finds every one in time).
         claimed = signal_store.claim_signals(
             session,
             lease_seconds=settings.signal_lease_seconds,
@@ -173,13 +175,9 @@ def process_signal(settings: Settings, signal_id: int) -> str:
             also_kinds=batch_kinds(settings),
             max_attempts=settings.signal_max_attempts,
             with_payload=True,
+            bury_own=True,
+            buried_rows=buried,
         )
-        if all(claim.signal_id != signal_id for claim in claimed):
-            # Maybe out of attempts with an expired lease: the sweeper's wake-up for
-            # such a row lands here, so burying on this path finds every one in time.
-            buried = signal_store.bury_exhausted(
-                session, max_attempts=settings.signal_max_attempts, signal_id=signal_id
-            )
     _report_buried(buried)
     outcome = "skipped"
     for result in process_claims(settings, claimed):

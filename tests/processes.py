@@ -29,6 +29,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: Turns a command into the one that runs it elsewhere (another host's namespace).
+Wrap = Callable[[list[str]], list[str]]
+
+
+def _same(argv: list[str]) -> list[str]:
+    return argv
+
+
 def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to the process group ``proc`` leads (a worker and its pool children)."""
     with contextlib.suppress(ProcessLookupError):
@@ -65,7 +73,7 @@ class Service:
         self.procs.append(proc)
         return proc
 
-    def worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
+    def worker(self, concurrency: int = 2, *, wrap: Wrap = _same) -> subprocess.Popen[bytes]:
         self.count += 1
         name = f"worker{self.count}"
         self.metrics_port = free_port()
@@ -77,17 +85,18 @@ class Service:
         argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker"]
         argv += ["-Q", "signals,dreams,housekeeping", "-c", str(concurrency), "-n", f"{name}@%h"]
         argv += ["--loglevel", "INFO", "--without-gossip", "--without-mingle"]
-        return self._start(name, argv, env)
+        return self._start(name, wrap(argv), env)
 
-    def worker_ready(self) -> bool:
-        """Whether the latest worker has said it is ready (connected and consuming)."""
-        log = self.tmp / f"worker{self.count}.log"
+    def worker_ready(self, number: int | None = None) -> bool:
+        """Whether the latest worker (or worker ``number``, from 1) has said it is ready
+        (connected and consuming)."""
+        log = self.tmp / f"worker{number or self.count}.log"
         return log.exists() and "ready." in log.read_text(errors="replace")
 
-    def beat(self) -> subprocess.Popen[bytes]:
+    def beat(self, *, wrap: Wrap = _same) -> subprocess.Popen[bytes]:
         reverie = str(Path(sys.executable).parent / "reverie")
         argv = [reverie, "beat", "--schedule", str(self.tmp / "beat-state"), "--loglevel", "INFO"]
-        return self._start("beat", argv, {**self.env, "REVERIE_METRICS_PORT": str(free_port())})
+        return self._start("beat", wrap(argv), {**self.env, "REVERIE_METRICS_PORT": str(free_port())})
 
     def stop_all(self) -> None:
         for proc in self.procs:
@@ -100,30 +109,35 @@ class Service:
 
 
 class RedisServer:
-    """A throwaway ``redis-server`` on a free loopback port: no persistence, its own
-    directory; it can be stopped and started again on the same port."""
+    """A throwaway ``redis-server`` on a free loopback port (or on ``bind``, run through
+    ``wrap``): no persistence, its own directory; it can be stopped and started again
+    on the same port."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *, bind: str = "127.0.0.1", wrap: Wrap = _same) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not installed (apt-get install redis-server)")
         self.binary = binary
         self.dir = tmp / "redis"
         self.dir.mkdir(exist_ok=True)
+        self.bind, self.wrap = bind, wrap
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
     def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
+        return f"redis://{self.bind}:{self.port}/{db}"
 
     def start(self) -> None:
-        argv = [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no"]
+        argv = [self.binary, "--bind", self.bind, "--port", str(self.port), "--save", "", "--appendonly", "no"]
         argv += ["--dir", str(self.dir), "--logfile", str(self.dir / "redis.log")]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.bind != "127.0.0.1":
+            # Clients on other hosts (the test's own bridge): protected mode would refuse them.
+            argv += ["--protected-mode", "no"]
+        self.proc = subprocess.Popen(self.wrap(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.starts += 1
         deadline = time.monotonic() + 10
-        client = redis_lib.Redis(port=self.port, socket_connect_timeout=1)
+        client = redis_lib.Redis(host=self.bind, port=self.port, socket_connect_timeout=1)
         try:
             while time.monotonic() < deadline:
                 try:

@@ -34,7 +34,7 @@ def test_quick_p2_and_p5_print_their_rows_and_clean_up(pg_settings: object) -> N
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=480,
         check=False,
         env=env,
     )
@@ -55,10 +55,16 @@ def test_quick_p2_and_p5_print_their_rows_and_clean_up(pg_settings: object) -> N
     assert [r["verdict"] for r in sql_rows if r["goal"] != "-"] == ["pass", "pass"]
     # Every signal of the memory run was processed, and parent and both children were sampled.
     assert p5[0]["verdict"] == "pass", p5[0]
+    assert p5[0]["baseline"].startswith("key matching off: 200 done in "), p5[0]
     names = {r["what"].split(":")[0] for r in p5[1:]}
     processes = ("parent", "child 1", "child 2")
-    assert names == {f"{size} {name}" for size in ("RSS", "PSS") for name in processes}
+    assert names == {f"{size} {name}" for size in ("RSS", "PSS") for name in processes} | {"PSS total"}
     assert all(r["figure"].endswith("MB") for r in p5[1:])
+    # The worker's total beside the same stream with key matching off, in the same run.
+    totals = [r for r in p5 if r["what"].startswith("PSS total")]
+    assert len(totals) == 2
+    assert all(r["baseline"].endswith("MB (key matching off)") for r in totals)
+    assert totals[0]["goal"] == "<= 520 MB" and totals[0]["verdict"] in ("pass", "MISS")
     # No worker, Redis or database left behind.
     assert _bench_databases() == before
     assert "| P2 " in done.stdout and "| P5 " in done.stdout

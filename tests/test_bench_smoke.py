@@ -1,4 +1,4 @@
-"""The sweep benchmark (P1) runs end to end in quick mode: its three ways did the same work."""
+"""The sweep benchmark (P1) runs end to end in quick mode: its ways all did the same work."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.conftest import PG_ADMIN_URL
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_sweep_benchmark_quick_mode_runs_three_ways_that_do_the_same_work(pg_settings: object) -> None:
+def test_sweep_benchmark_quick_mode_runs_four_ways_that_do_the_same_work(pg_settings: object) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "P1"],
         cwd=ROOT,
@@ -29,10 +29,38 @@ def test_sweep_benchmark_quick_mode_runs_three_ways_that_do_the_same_work(pg_set
     rows = [line for line in done.stdout.splitlines() if line.startswith("| P1 ")]
     assert any("real path (dispatcher -> Redis -> celery worker" in row for row in rows), done.stdout
     assert any(row.startswith("| P1 | floor:") for row in rows), done.stdout
+    assert any("cron pass (`reverie run --all`" in row for row in rows), done.stdout
+    assert any("cron pass as above with profiles built" in row for row in rows), done.stdout
     assert any(row.startswith("| P1 | per-row") for row in rows), done.stdout
-    same = [row for row in rows if "same work by all three ways" in row]
+    same = [row for row in rows if "same work by every way" in row]
     assert len(same) == 1, done.stdout
     cells = [cell.strip() for cell in same[0].strip("|").split("|")]
     # measure, what, figure, baseline, ratio, goal, verdict
     assert cells[4] == "same rows" and cells[6] == "pass", same[0]
     assert "archived+removed" in cells[2] and not cells[2].startswith("0 archived"), same[0]
+
+
+def test_profile_benchmark_quick_mode_reads_and_sweeps_and_rebuilds_nobody_unchanged(pg_settings: object) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "P7"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+        env={
+            "REVERIE_BENCH_PG_ADMIN_URL": PG_ADMIN_URL,
+            "PATH": "/usr/bin:/bin",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        },
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| P7 ")]
+    reads = [row for row in rows if "profile read" in row]
+    assert len(reads) == 4 and any("plain SQL" in row for row in reads), done.stdout
+    assert all("ms" in row.split("|")[3] for row in reads), done.stdout
+    assert any("with profiles built" in row and "profiles off" in row for row in rows), done.stdout
+    (again,) = [row for row in rows if "nobody changed" in row]
+    cells = [cell.strip() for cell in again.strip("|").split("|")]
+    # measure, what, figure, baseline, ratio, goal, verdict
+    assert cells[2].startswith("0 rebuilt") and cells[6] == "pass", again

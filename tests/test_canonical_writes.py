@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 
 from store.db import session_scope
@@ -106,3 +107,60 @@ def test_the_overwrite_can_be_put_back_from_the_archive(make_settings: Any) -> N
             "value": "green",
             "category": "preference",
         }
+
+
+@pytest.mark.parametrize(
+    ("home_key", "said", "work_key"),
+    [
+        ("residence_city", "My work city is Madrid.", "work_city"),
+        ("residence_city", "My office city is Madrid.", "office_city"),
+        ("current_city", "My office city is Madrid.", "office_city"),
+        ("current_city", "My work city is Madrid.", "work_city"),
+    ],
+)
+def test_a_work_city_is_a_second_row_never_an_overwrite_of_the_home_city(
+    make_settings: Any, home_key: str, said: str, work_key: str
+) -> None:
+    # Home side and work side never match, however close the model finds the keys.
+    settings = make_settings(known_entries_token_budget=0)
+    seed(settings, [entry("ann", home_key, "Lisbon")])
+    result = say(settings, "ann", said)
+    assert rows(settings, "ann") == sorted([("agent-a", home_key, "Lisbon"), ("agent-a", work_key, "Madrid")])
+    assert archived(settings) == []
+    [decision] = result.accepted
+    assert decision.key == work_key and decision.outcome == "insert"
+
+
+def test_a_work_city_lands_on_the_office_city_beside_the_home_city(make_settings: Any) -> None:
+    settings = make_settings(known_entries_token_budget=0)
+    seed(settings, [entry("ann", "residence_city", "Lisbon"), entry("ann", "office_city", "Dublin")])
+    say(settings, "ann", "My work city is Madrid.")
+    assert rows(settings, "ann") == [("agent-a", "office_city", "Madrid"), ("agent-a", "residence_city", "Lisbon")]
+    assert archived(settings) == [("replace", "office_city", "Dublin")]
+
+
+@pytest.mark.parametrize(
+    ("existing", "said"),
+    [
+        ("job_title", "My role is teacher."),
+        ("first_name", "My given name is Ana."),
+        ("surname", "My family name is Silva."),
+        ("favorite_food", "My favorite dish is ramen."),
+    ],
+)
+def test_a_synonym_lands_on_the_existing_entry(make_settings: Any, existing: str, said: str) -> None:
+    settings = make_settings(known_entries_token_budget=0)
+    seed(settings, [entry("ann", existing, "old value")])
+    result = say(settings, "ann", said)
+    value = said.rsplit(" is ", 1)[1].rstrip(".")
+    assert rows(settings, "ann") == [("agent-a", existing, value)]
+    assert archived(settings) == [("replace", existing, "old value")]
+    [decision] = result.accepted
+    assert decision.key == existing and "same meaning" in decision.outcome
+
+
+def test_a_role_lands_on_the_job_title_with_the_rules_alone(make_settings: Any) -> None:
+    settings = make_settings(known_entries_token_budget=0, key_matching="rules")
+    seed(settings, [entry("ann", "job_title", "nurse")])
+    say(settings, "ann", "My role is teacher.")
+    assert rows(settings, "ann") == [("agent-a", "job_title", "teacher")]

@@ -1,6 +1,7 @@
-"""The Celery app's configuration: the promises that keep a Redis broker from losing
-work, task names and routes, time limits under the visibility timeout, the retry
-policy, beat's schedule, and the `reverie worker|beat` command lines."""
+"""The Celery app's configuration: a broker that holds nothing that cannot be found
+again in PostgreSQL, task names and routes, time limits under the leases that bring
+lost work back, the retry policy, beat's schedule, and the `reverie worker|beat`
+command lines."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from celery.schedules import crontab
 
 from store import db
 from worker import jobs, metrics_server
-from worker.app import HOUSEKEEPING_QUEUE, QUEUES, VISIBILITY_TIMEOUT, app, celery_config, create_app
+from worker.app import HOUSEKEEPING_QUEUE, QUEUES, app, celery_config, create_app
 from worker.cli import main, service_cmds
 from worker.errors import DatabaseUnavailable, TransientError
 from worker.settings import Settings
@@ -43,13 +44,16 @@ def _ours() -> dict[str, Any]:
     return {name: task for name, task in app.tasks.items() if not name.startswith("celery.")}
 
 
-def test_delivery_is_at_least_once_and_nothing_waits_on_a_result() -> None:
+def test_a_message_is_acknowledged_on_receipt_and_redis_keeps_no_copy() -> None:
     conf = app.conf
-    assert conf.task_acks_late is True
-    assert conf.task_reject_on_worker_lost is True
+    # The row is the truth: a lost wake-up is found again from PostgreSQL, so nothing is
+    # left unacknowledged in Redis for a dropped connection to restore or acknowledge.
+    assert conf.task_acks_late is False
+    assert all(not task.acks_late for task in _ours().values())
+    assert conf.broker_transport_options["ack_emulation"] is False
+    assert "visibility_timeout" not in conf.broker_transport_options
     assert conf.worker_prefetch_multiplier == 1
-    # A task running when Redis goes away finishes its database work instead of being
-    # killed half-way; its message is redelivered only after the visibility timeout.
+    # A task running when Redis goes away finishes its database work.
     assert conf.worker_cancel_long_running_tasks_on_connection_loss is False
     assert conf.result_backend is None
     assert conf.task_ignore_result is True
@@ -89,14 +93,16 @@ def test_every_task_has_a_stable_name_and_its_own_queue() -> None:
         assert route["queue"].name == queue, name
 
 
-def test_no_task_or_retry_outlives_the_visibility_timeout() -> None:
-    assert app.conf.broker_transport_options["visibility_timeout"] == VISIBILITY_TIMEOUT
-    assert app.conf.task_time_limit < VISIBILITY_TIMEOUT
+def test_no_run_outlives_the_lease_that_would_send_it_again() -> None:
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
     for name, task in _ours().items():
         assert task.time_limit is not None and task.soft_time_limit is not None, name
-        assert task.soft_time_limit < task.time_limit < VISIBILITY_TIMEOUT, name
-        if getattr(task, "autoretry_for", ()):
-            assert task.retry_backoff_max < VISIBILITY_TIMEOUT, name
+        assert task.soft_time_limit < task.time_limit, name
+    # A dispatched chunk still running is never dispatched again: its hard limit ends
+    # before the dispatch lease does.
+    assert app.tasks["dream.run_users"].time_limit < settings.dispatch_lease_seconds
+    # A signal's processing ends (or is stopped) before its lease lets another worker in.
+    assert app.tasks["signals.process"].time_limit <= settings.signal_lease_seconds
     assert app.tasks["dream.run_users"].soft_time_limit > jobs.CHUNK_BUDGET_SECONDS
 
 

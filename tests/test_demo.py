@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+from worker import demo_world
+from worker.logs import user_ref
 
-def test_demo_runs_the_whole_pipeline_offline(tmp_path: Path) -> None:
+HASH_KEY = "demo-test-secret"
+#: A log line as the demo prints it (console format), and a user named in it.
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(\.\d+Z)? \[")
+USER_FIELD = re.compile(r"\buser=(\S+)")
+
+
+def _demo(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
     # No broker, no model endpoint: anything that tried the network would fail here.
-    env.update({"REVERIE_BROKER_URL": "redis://127.0.0.1:1/0", "NO_PROXY": "*", "COLUMNS": "200"})
-    result = subprocess.run(
+    env.update(
+        {
+            "REVERIE_BROKER_URL": "redis://127.0.0.1:1/0",
+            "REVERIE_LOG_HASH_KEY": HASH_KEY,
+            "NO_PROXY": "*",
+            "COLUMNS": "200",
+        }
+    )
+    return subprocess.run(
         [sys.executable, "-c", "from worker.cli import main; main()", "demo"],
         cwd=tmp_path,
         env=env,
@@ -21,6 +37,10 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path: Path) -> None:
         timeout=300,
         check=False,
     )
+
+
+def test_demo_runs_the_whole_pipeline_offline(tmp_path: Path) -> None:
+    result = _demo(tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert (tmp_path / "reverie-demo.db").exists()
@@ -37,3 +57,31 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path: Path) -> None:
     assert "pruned 3" in summary and "contradictions 2" in summary and "summarized 6" in summary
     assert "routines found 1" in summary
     assert "signals done 5" in summary and "rejected 2" in summary
+    # One agent's profile, before and after: the signal's fact, the changed value and
+    # the contradiction the dream found all show after; none of them before.
+    before = out[out.index("Profile of alice as travel-agent sees it, before") : out.index("Signals: what each one")]
+    after = out[out.index("Profile of alice as travel-agent sees it, after") :]
+    assert "- favourite colour: green\n" in before and "home airport" not in before
+    assert "(contradicted)" not in before
+    assert "- favourite colour: blue\n" in after and "- home airport: Munich\n" in after
+    assert "- language: English (contradicted)" in after and "green" not in after
+
+
+def test_demo_prints_each_user_beside_the_reference_its_log_lines_use(tmp_path: Path) -> None:
+    """The tables name users, the log lines name them by keyed reference only; the demo
+    prints the pairs, so a reader can match a log line with a table row."""
+    result = _demo(tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    logs = [line for line in lines if LOG_LINE.match(line)]
+    printed = [line for line in lines if not LOG_LINE.match(line)]
+    assert logs, "the demo printed no log lines"
+    named = {match for line in logs for match in USER_FIELD.findall(line)}
+    # Every user the pipeline worked on shows up in the logs, by reference only.
+    expected = {user: user_ref(user, HASH_KEY) for user in demo_world.USERS}
+    assert named == set(expected.values()), (named, expected)
+    for line in logs:
+        assert not any(re.search(rf"\b{user}\b", line) for user in demo_world.USERS), line
+    # The demo's own output pairs each user with that reference, on one row.
+    for user, ref in expected.items():
+        assert any(re.search(rf"\b{user}\b.*\b{ref}\b", line) for line in printed), (user, ref)

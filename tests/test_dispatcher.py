@@ -41,7 +41,7 @@ def _claim(settings: Settings, at: datetime, *, limit: int = 1000, delay: float 
         )
 
 
-def test_claims_exactly_the_due_users_and_advances_them_to_their_slot(store_settings: Settings) -> None:
+def test_claims_exactly_the_due_users_and_holds_them_for_the_dispatch_lease(store_settings: Settings) -> None:
     at = now()
     _rows(
         store_settings,
@@ -88,10 +88,8 @@ def test_claims_exactly_the_due_users_and_advances_them_to_their_slot(store_sett
     state = _state(store_settings)
     for user_id in claimed:
         assert state[user_id].dispatched_at == at
-        expected = dispatch_store.next_slot(user_id, at, DAY)
-        # SQL and Python compute the slot the same way (to float rounding).
-        assert abs((state[user_id].next_dream_at - expected).total_seconds()) < 0.01
-        assert at + timedelta(hours=12) <= state[user_id].next_dream_at < at + timedelta(hours=36)
+        # Due again when the lease ends, unless the run that was sent moves them on.
+        assert state[user_id].next_dream_at == at + timedelta(seconds=HOUR)
     assert state["not-due"].dispatched_at is None
     assert state["dirty-fresh"].dispatched_at is None
     # A claim never clears dirty_since: only the finished dream does.
@@ -126,6 +124,40 @@ def test_a_dream_finished_after_the_claim_is_not_claimed_again(store_settings: S
         schedule.mark_dreamed(session, "u", at + timedelta(seconds=1), at + timedelta(hours=24))
 
     assert _claim(store_settings, at + timedelta(hours=2)) == []
+
+
+def test_a_run_that_never_ran_is_dispatched_again_when_the_lease_ends(store_settings: Settings) -> None:
+    """A dispatched run whose message was lost (the broker restarted, or the worker
+    died after taking it) leaves the user due again once the dispatch lease ends,
+    whether they were due by time or because something changed."""
+    at = now()
+    _rows(
+        store_settings,
+        [
+            {"user_id": "timed", "next_dream_at": at - timedelta(minutes=1)},
+            {"user_id": "dirty", "next_dream_at": at + timedelta(hours=3), "dirty_since": at - timedelta(hours=1)},
+            {"user_id": "ran", "next_dream_at": at - timedelta(minutes=1)},
+        ],
+    )
+    assert sorted(_claim(store_settings, at)) == ["dirty", "ran", "timed"]
+    with session_scope(store_settings) as session:
+        # Only one of the runs sent was received and finished.
+        schedule.mark_dreamed(session, "ran", at + timedelta(seconds=5), at + timedelta(hours=24))
+
+    assert _claim(store_settings, at + timedelta(seconds=HOUR - 1)) == []
+    assert sorted(_claim(store_settings, at + timedelta(seconds=HOUR + 1))) == ["dirty", "timed"]
+
+
+def test_the_slot_comes_first_when_it_is_sooner_than_the_lease(store_settings: Settings) -> None:
+    at = now()
+    _rows(store_settings, [{"user_id": "u", "next_dream_at": at - timedelta(minutes=1)}])
+    with session_scope(store_settings) as session:
+        dispatch_store.claim_due_users(
+            session, at=at, limit=10, interval_seconds=600.0, dirty_delay_seconds=0, lease_seconds=3600
+        )
+    expected = dispatch_store.next_slot("u", at, 600.0)
+    # SQL and Python compute the slot the same way (to float rounding).
+    assert abs((_state(store_settings)["u"].next_dream_at - expected).total_seconds()) < 0.01
 
 
 def test_claimed_set_agrees_with_the_cron_pass(store_settings: Settings) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 import tasks.dream
 from store import locks, schedule
@@ -240,13 +240,16 @@ def test_a_run_that_loses_the_database_is_tried_again_soon_and_a_bug_is_not(
     }
 
 
+@pytest.mark.parametrize("concurrency", [1, 2])
 def test_a_cron_pass_stops_at_its_time_limit_and_leaves_the_rest_due(
-    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, concurrency: int
 ) -> None:
     from schedules.cron import run_once
     from worker import offline_model
 
-    settings = pg_settings.model_copy(update={"cron_time_limit_seconds": 1.0, "dispatch_chunk_size": 1})
+    settings = pg_settings.model_copy(
+        update={"cron_time_limit_seconds": 1.0, "dispatch_chunk_size": 1, "cron_concurrency": concurrency}
+    )
     users = ["l1", "l2", "l3", "l4"]
     _chunk_world(settings, users)
     real = offline_model.answer
@@ -260,6 +263,48 @@ def test_a_cron_pass_stops_at_its_time_limit_and_leaves_the_rest_due(
 
     report = run_once(settings, users=users)
 
-    # The first user's summary outlasts the limit: the users after it are left for the next pass.
-    assert (report.users_processed, report.users_deferred) == (1, 3)
-    assert set(_ledger(settings, users)) == {"l1"}
+    # The first chunks' summaries (one per thread) outlast the limit: the users after
+    # them are left for the next pass.
+    assert (report.users_processed, report.users_deferred) == (concurrency, 4 - concurrency)
+    assert set(_ledger(settings, users)) == set(users[:concurrency])
+
+
+def test_a_cron_pass_works_on_several_chunks_at_once_and_dreams_each_user_once(pg_settings: Settings) -> None:
+    from schedules.cron import run_once
+
+    settings = pg_settings.model_copy(
+        update={"summarize_interactions": False, "dispatch_chunk_size": 2, "cron_concurrency": 3}
+    )
+    users = [f"k{i:02d}" for i in range(13)]
+    _chunk_world(settings, users)
+    progress: list[tuple[int, int]] = []
+
+    report = run_once(settings, users=users, on_user=lambda done, total: progress.append((done, total)))
+
+    assert (report.users_processed, report.users_failed, report.users_deferred) == (13, 0, 0)
+    assert report.entries_pruned == 13
+    assert progress == [(n, 13) for n in range(1, 14)]
+    assert _ledger(settings, users) == dict.fromkeys(users, ("succeeded", 1))
+    with session_scope(settings) as session:
+        assert session.scalar(select(func.count()).select_from(Run).where(Run.user_id.in_(users))) == 13
+    assert set(_dirty_and_unlocked(settings, users).values()) == {(False, True)}
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_run_that_takes_a_user_over_closes_the_ledger_row_a_stopped_worker_left_open(
+    pg_settings: Settings, chunked: bool
+) -> None:
+    from store import runs as run_store
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    _chunk_world(settings, ["o1"])
+    with session_scope(settings) as session:
+        # A worker killed mid-run: its row says running, and its lease ran out.
+        left_open = run_store.start_run(session, "o1", trigger="schedule")
+    outcome = dream_users(settings, ["o1"])[0] if chunked else dream_user(settings, "o1")
+    assert outcome.status == "succeeded"
+    with session_scope(settings) as session:
+        old, new = session.scalars(select(Run).where(Run.user_id == "o1").order_by(Run.id)).all()
+        assert (old.id, old.status, old.error) == (left_open, "failed", run_store.ABANDONED)
+        assert old.finished_at is not None and old.finished_at <= new.started_at
+        assert new.status == "succeeded"

@@ -31,6 +31,7 @@ from store.models import ArchivedEntry, Run, Signal
 from tasks import dream, erase
 from tasks.dream import dream_user, dream_users
 from tasks.erase import erase_user
+from tasks.leases import LeaseKeeper
 from worker import offline_model
 from worker.errors import UserBusy
 from worker.producer import enqueue_signal
@@ -281,6 +282,51 @@ def test_a_frozen_run_writes_nothing_once_its_lease_is_lost(
     if meanwhile == "erase":
         nothing_left(pg_settings, "u3")
         return
+    first, second = runs_of(pg_settings, "u3")
+    assert first.status == "failed" and "lease" in (first.error or "")
+    never_overlap([first, second])
+    assert summarized_by(pg_settings, first.id) == 0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_run_cut_off_before_its_first_renewal_ends_before_the_run_that_took_over(
+    pg_settings: Settings, short_leases: None, monkeypatch: pytest.MonkeyPatch, chunked: bool
+) -> None:
+    # The run's host loses the database right after taking its leases, before any
+    # renewal or write lands, and comes back after another run took the user over. Its
+    # ledger row must end when its lease ran out, not when the host came back, or it
+    # would overlap the run that took the user over.
+    real_init, real_renew, real_hold = LeaseKeeper.__init__, LeaseKeeper.renew_all, LeaseKeeper.hold_many
+    gate, cut = ThreadGate(), set()
+
+    def init(keeper: LeaseKeeper, *args: Any, **kwargs: Any) -> None:
+        real_init(keeper, *args, **kwargs)
+        if threading.get_ident() == gate.thread:
+            cut.add(id(keeper))
+
+    def unreachable(keeper: LeaseKeeper) -> None:
+        if id(keeper) in cut and not gate.release.is_set():
+            raise OSError("the database is unreachable")
+        real_renew(keeper)
+
+    def away(keeper: LeaseKeeper, session: Any, user_ids: Any) -> list[str]:
+        if id(keeper) in cut:
+            gate.entered.set()
+            assert gate.release.wait(WAIT), "never released"
+        return real_hold(keeper, session, user_ids)
+
+    monkeypatch.setattr(LeaseKeeper, "__init__", init)
+    monkeypatch.setattr(LeaseKeeper, "renew_all", unreachable)
+    monkeypatch.setattr(LeaseKeeper, "hold_many", away)
+    seed_group(pg_settings, "u3")
+    target = (lambda: dream_users(pg_settings, ["u3"])) if chunked else (lambda: dream_user(pg_settings, "u3"))
+    cut_off, results = in_thread(gate, target)
+    assert gate.entered.wait(WAIT)  # its first write waits for the network
+    leases_expired(pg_settings, ["u3"])
+    taken = dream_user(pg_settings.model_copy(update={"summarize_interactions": False}), "u3")
+    assert taken.status == "succeeded"
+    gate.release.set()
+    finished(cut_off, results)
     first, second = runs_of(pg_settings, "u3")
     assert first.status == "failed" and "lease" in (first.error or "")
     never_overlap([first, second])

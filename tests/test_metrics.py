@@ -337,8 +337,10 @@ def test_a_fresh_worker_exports_every_family_at_zero_from_the_first_scrape(
         assert has("dream_llm_tokens_total", model=model, direction=direction)
     for outcome in families.LLM_OUTCOMES:
         assert has("dream_llm_requests_total", model=model, outcome=outcome)
-    for purpose in ("extract_facts", "feedback", "summarize"):
+    for purpose in ("extract_facts", "feedback", "summarize", "profile"):
         assert has("dream_llm_cost_usd_total", model=model, purpose=purpose)
+    for verdict in families.PROFILE_VERDICTS:
+        assert has("dream_profile_model_replies_total", verdict=verdict)
 
 
 def _samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

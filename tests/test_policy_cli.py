@@ -44,6 +44,7 @@ def test_set_then_show(pg_settings: Settings) -> None:
         ("contradictionResolution=delete_all", "one of flag, keep_newest"),
         ("enabled=maybe", "true or false"),
         ("maxCostPerRun=lots", "amount in USD"),
+        ("profileWriter=llm", "one of deterministic, model"),
         ("justakey", "KEY=VALUE"),
     ],
 )
@@ -61,3 +62,13 @@ def test_effective_policy_fills_defaults(pg_settings: Settings) -> None:
     policy = effective(pg_settings, {"summarizeTargetEntries": "3", "enabled": "false"})
     assert policy.summarizeTargetEntries == 3 and not policy.enabled and not policy.prunes
     assert defaults(pg_settings).pruneStaleAfterDays == 90
+
+
+def test_profile_writer_is_a_policy_field_defaulting_to_the_setting(pg_settings: Settings) -> None:
+    done = _cli(pg_settings, "policy", "set", "travel", "profileWriter=model")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(_cli(pg_settings, "policy", "show").stdout)
+    assert shown["travel"]["profileWriter"] == "model" and shown["*"]["profileWriter"] == "deterministic"
+    assert effective(pg_settings, {"profileWriter": "model"}).writes_profiles_with_model
+    assert not effective(pg_settings, {"profileWriter": "model", "enabled": False}).writes_profiles_with_model
+    assert defaults(pg_settings.model_copy(update={"profile_writer": "model"})).profileWriter == "model"

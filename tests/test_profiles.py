@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime, timedelta
+import unicodedata
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
@@ -258,3 +260,408 @@ def test_reader_imports_neither_celery_nor_litellm() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "False"]
+
+
+# -- model-written profiles ------------------------------------------------------------
+
+SCRIPTED = "reverie-profile-script"
+SCRIPTED_REPLY: dict[str, str] = {"text": ""}
+
+
+def _scripted_settings(settings: Settings) -> Settings:
+    """A model behind the real gateway that answers :data:`SCRIPTED_REPLY` (priced)."""
+
+    def factory(litellm: Any) -> Any:
+        class Scripted(litellm.CustomLLM):  # type: ignore[misc]
+            def completion(self, model: str, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
+                text = SCRIPTED_REPLY["text"]
+                prompt = int(litellm.token_counter(model="gpt-4o", messages=messages))
+                output = int(litellm.token_counter(model="gpt-4o", text=text, count_response_tokens=True))
+                return litellm.ModelResponse(
+                    model=model,
+                    choices=[{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                    usage={"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output},
+                )
+
+        return Scripted()
+
+    llm.register_provider(SCRIPTED, factory)
+    return settings.model_copy(
+        update={
+            "llm_model": f"{SCRIPTED}/m",
+            "llm_input_cost_per_token": 1e-6,
+            "llm_output_cost_per_token": 2e-6,
+            "profile_writer": "model",
+        }
+    )
+
+
+def _about(user: str) -> list[dict[str, Any]]:
+    # Three lines of one section, ranked home city, first name, birthday.
+    return [
+        entry(user, "home_city", "Lisbon", visibility="global", agent=None, age_days=1),
+        entry(user, "first_name", "Ana", visibility="global", agent=None, age_days=2),
+        entry(user, "birthday", "May 4", visibility="global", agent=None, age_days=3),
+    ]
+
+
+def _deterministic(settings: Settings, user: str) -> dict[str, str]:
+    """What the deterministic builder makes of the user's rows now."""
+    with session_scope(settings) as session:
+        session.execute(delete(Profile).where(Profile.user_id == user))
+    _refresh(settings.model_copy(update={"profile_writer": "deterministic"}), [user])
+    return {agent: row.text for agent, row in _stored(settings, user).items()}
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _spent(settings: Settings, user: str) -> int:
+    from store.models import Run
+
+    with session_scope(settings) as session:
+        return int(sum(session.scalars(select(Run.cost_nano).where(Run.user_id == user)).all()))
+
+
+def test_model_written_profile_under_a_tiny_cap_makes_no_call_and_keeps_the_deterministic_one(
+    pg_settings: Settings,
+) -> None:
+    settings = pg_settings.model_copy(update={"profile_writer": "model", "max_cost_per_day": 1e-9})
+    seed(settings, _world("u1"))
+    calls = _sample("dream_llm_requests_total", model="offline", outcome="ok")
+    not_called = _sample("dream_profile_model_replies_total", verdict="not_called")
+    outcome = dream_users(settings, ["u1"])[0]
+    assert outcome.status == "succeeded" and outcome.profiles_built == 3
+    assert _sample("dream_llm_requests_total", model="offline", outcome="ok") == calls
+    assert _sample("dream_profile_model_replies_total", verdict="not_called") == not_called + 3
+    assert _spent(settings, "u1") == 0
+    stored = _stored(settings, "u1")
+    assert {row.layout["writer"] for row in stored.values()} == {"deterministic"}
+    assert {agent: row.text for agent, row in stored.items()} == _deterministic(settings, "u1")
+
+
+def test_a_rewrite_that_adds_a_fact_is_refused_and_counted(pg_settings: Settings) -> None:
+    settings = _scripted_settings(pg_settings)
+    seed(settings, _about("u1"))
+    SCRIPTED_REPLY["text"] = json.dumps(
+        {"profile": "## About the user\n- home city: Lisbon\n- pet name: Rex\n- first name: Ana\n- birthday: May 4\n"}
+    )
+    refused = _sample("dream_profile_model_replies_total", verdict="refused")
+    assert dream_users(settings, ["u1"])[0].profiles_built == 1
+    assert _sample("dream_profile_model_replies_total", verdict="refused") == refused + 1
+    kept = _stored(settings, "u1")[""]
+    assert "Rex" not in kept.text and kept.layout["writer"] == "deterministic"
+    assert kept.text == _deterministic(settings, "u1")[""]
+    # The call was made and paid for, under its own purpose.
+    assert _spent(settings, "u1") > 0
+
+
+def test_a_rewrite_over_the_budget_or_rewording_a_value_is_refused(pg_settings: Settings) -> None:
+    settings = _scripted_settings(pg_settings).model_copy(update={"profile_token_budget": 12})
+    seed(settings, _about("u1"))
+    # Every line is an entry's, but the whole is over 12 tokens.
+    SCRIPTED_REPLY["text"] = json.dumps(
+        {"profile": "## About the user\n- birthday: May 4\n- home city: Lisbon\n- first name: Ana\n"}
+    )
+    refused = _sample("dream_profile_model_replies_total", verdict="refused")
+    dream_users(settings, ["u1"])
+    assert _sample("dream_profile_model_replies_total", verdict="refused") == refused + 1
+    assert _stored(settings, "u1")[""].layout["writer"] == "deterministic"
+    assert _stored(settings, "u1")[""].tokens <= 12
+    # The drifting built-in model retouches a value as it rewrites: refused too.
+    drifting = pg_settings.model_copy(update={"llm_model": "offline/drift", "profile_writer": "model"})
+    seed(drifting, _about("u2"))
+    table = table_for(drifting)
+    dream_users(drifting, ["u2"])
+    with session_scope(drifting) as session:  # the application changes a value: a rewrite follows
+        session.execute(update(table).where(table.c.user_id == "u2", table.c.key == "birthday").values(value="May 5"))
+    refused = _sample("dream_profile_model_replies_total", verdict="refused")
+    dream_users(drifting, ["u2"])
+    assert _sample("dream_profile_model_replies_total", verdict="refused") == refused + 1
+    assert _stored(drifting, "u2")[""].text == _deterministic(drifting, "u2")[""]
+
+
+def test_unchanged_keeps_the_text_and_the_cost_is_recorded_under_purpose_profile(pg_settings: Settings) -> None:
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(settings, _about("u1"))
+    cost = _sample("dream_llm_cost_usd_total", model="offline", purpose="profile")
+    unchanged = _sample("dream_profile_model_replies_total", verdict="unchanged")
+    dream_users(settings, ["u1"])
+    first = _stored(settings, "u1")[""]
+    assert first.layout["writer"] == "model"
+    assert _sample("dream_profile_model_replies_total", verdict="unchanged") == unchanged + 1
+    assert _sample("dream_llm_cost_usd_total", model="offline", purpose="profile") > cost
+    assert _spent(settings, "u1") > 0
+
+    table = table_for(settings)
+    with session_scope(settings) as session:  # the application changes a value
+        session.execute(update(table).where(table.c.user_id == "u1", table.c.key == "birthday").values(value="May 5"))
+    rewritten = _sample("dream_profile_model_replies_total", verdict="rewritten")
+    dream_users(settings, ["u1"])
+    assert _sample("dream_profile_model_replies_total", verdict="rewritten") == rewritten + 1
+    model_text = _stored(settings, "u1")[""].text
+    # The built-in model puts the changed line first.
+    assert model_text == "## About the user\n- birthday: May 5\n- home city: Lisbon\n- first name: Ana\n"
+
+    with session_scope(settings) as session:  # a recall: the user is rebuilt, no line changed
+        session.execute(
+            update(table).where(table.c.user_id == "u1", table.c.key == "first_name").values(access_count=3)
+        )
+    unchanged = _sample("dream_profile_model_replies_total", verdict="unchanged")
+    assert dream_users(settings, ["u1"])[0].profiles_built == 1
+    assert _sample("dream_profile_model_replies_total", verdict="unchanged") == unchanged + 1
+    kept = _stored(settings, "u1")[""]
+    assert kept.text == model_text and kept.layout["writer"] == "model"
+    assert model_text != _deterministic(settings, "u1")[""]
+    # A reader's smaller budget keeps the start of the model's text (written anew: the
+    # comparison above replaced it with the deterministic one).
+    with session_scope(settings) as session:
+        session.execute(update(table).where(table.c.user_id == "u1", table.c.key == "birthday").values(value="May 6"))
+    dream_users(settings, ["u1"])
+    assert _stored(settings, "u1")[""].text.startswith("## About the user\n- birthday: May 6\n")
+    small = get_for_prompt("u1", token_budget=_stored(settings, "u1")[""].tokens - 1, settings=settings)
+    assert small.text.startswith("## About the user\n- birthday: May 6\n") and small.entries_left_out >= 1
+
+
+def test_profile_metrics_carry_no_user_label(pg_settings: Settings) -> None:
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(settings, _world("user-canary-77"))
+    dream_users(settings, ["user-canary-77"])
+    seen = 0
+    for family in REGISTRY.collect():
+        if not family.name.startswith(("dream_profile", "dream_llm")):
+            continue
+        for sample in family.samples:
+            seen += 1
+            assert not {"user", "user_id"} & set(sample.labels), sample
+            assert "user-canary-77" not in json.dumps(sample.labels), sample
+    assert seen and _sample("dream_profile_model_replies_total", verdict="unchanged") > 0
+
+
+# -- the refresh's transactions and clock ------------------------------------------------
+
+
+def test_the_leases_are_not_locked_while_profiles_are_built(pg_settings: Settings, monkeypatch: Any) -> None:
+    import psycopg
+
+    seed(pg_settings, _world("u1"))
+    verdicts: list[str] = []
+    real_build = profiles.build_ranked
+
+    def build_and_look(*args: Any, **kwargs: Any) -> Any:
+        url = pg_settings.database_url.replace("+psycopg", "")
+        with psycopg.connect(url, autocommit=True) as conn:
+            try:
+                conn.execute("SELECT 1 FROM dream_user_state WHERE user_id = 'u1' FOR UPDATE NOWAIT")
+                verdicts.append("free")
+            except psycopg.errors.LockNotAvailable:
+                verdicts.append("locked")
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(profiles, "build_ranked", build_and_look)
+    assert dream_users(pg_settings, ["u1"])[0].profiles_built == 3
+    assert verdicts == ["free", "free", "free"]
+
+
+def test_staleness_is_judged_on_the_databases_clock(pg_settings: Settings, monkeypatch: Any) -> None:
+    import store.types
+
+    seed(pg_settings, [entry("u1", "home_city", "Lisbon", visibility="global", agent=None, age_days=1)])
+    real = store.types.now
+
+    def ahead() -> datetime:  # this host's clock, 200 days ahead of the database's
+        return real() + timedelta(days=200)
+
+    monkeypatch.setattr(store.types, "now", ahead)
+    monkeypatch.setattr(profiles, "now", ahead, raising=False)
+    _refresh(pg_settings, ["u1"])
+    assert "Lisbon" in _stored(pg_settings, "u1")[""].text
+
+
+@hyp_settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(entries=_entries, budget=st.integers(0, 4000))
+def test_the_one_pass_cut_is_the_largest_prefix_whose_estimate_fits(
+    entries: list[tuple[str, Any, str, int, int, bool]], budget: int
+) -> None:
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+
+    def count(text: str) -> int:
+        return llm.count_text_tokens(settings, text) if text else 0
+
+    layout = profiles.build(_rows(entries), 10**6, count).layout
+    fits = [kept for kept in range(len(layout.lines) + 1) if estimate(layout, kept) <= budget]
+    assert cut(layout, budget) == max(fits, default=0)
+
+
+def test_build_profiles_false_builds_none_and_leaves_the_stored_ones(pg_settings: Settings) -> None:
+    seed(pg_settings, _world("u1"))
+    off = pg_settings.model_copy(update={"build_profiles": False})
+    assert dream_users(off, ["u1"])[0].profiles_built == 0
+    assert _stored(off, "u1") == {}
+    dream_users(pg_settings, ["u1"])
+    built = _stored(pg_settings, "u1")
+    table = table_for(pg_settings)
+    with session_scope(pg_settings) as session:
+        session.execute(update(table).where(table.c.user_id == "u1", table.c.key == "home_city").values(value="Porto"))
+    assert dream_users(off, ["u1"])[0].profiles_built == 0
+    assert {a: p.text for a, p in _stored(off, "u1").items()} == {a: p.text for a, p in built.items()}
+
+
+@hyp_settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=80), limit=st.integers(1, 100))
+def test_a_value_already_plain_is_kept_as_it_is(text: str, limit: int) -> None:
+    from worker.profile_text import _plain
+
+    kept = "".join(ch for ch in text if unicodedata.category(ch)[0] != "C" or ch.isspace())
+    flat = " ".join(kept.split())
+    assert _plain(text, limit) == (flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…")
+
+
+def test_a_refresh_counts_each_line_once_across_the_users_profiles(pg_settings: Settings, monkeypatch: Any) -> None:
+    # Global entries are in every agent's profile: their lines are counted once per
+    # refresh, not once per profile (a refresh of many users was bound by the tokenizer).
+    long = "a value long enough that its line is over sixty-four characters, well over"
+    rows = [entry("u1", f"shared_fact_{i}", f"{long} {i}", visibility="global", agent=None) for i in range(12)]
+    rows += [entry("u1", f"own_fact_{agent}", f"{long} {agent}", agent=agent) for agent in ("a1", "a2", "a3", "a4")]
+    seed(pg_settings, rows)
+    counted: list[str] = []
+    real_count, real_counter = llm.count_text_tokens, llm.text_counter
+
+    def count_text_tokens(settings: Settings, text: str) -> int:
+        counted.append(text)
+        return real_count(settings, text)
+
+    def text_counter(settings: Settings) -> Any:
+        tokens = real_counter(settings)
+
+        def count(text: str) -> int:
+            counted.append(text)
+            return tokens(text)
+
+        return count
+
+    monkeypatch.setattr(llm, "count_text_tokens", count_text_tokens)
+    monkeypatch.setattr(llm, "text_counter", text_counter)
+    made = _refresh(pg_settings, ["u1"])
+    assert len(made["u1"]) == 5  # the agent-less profile and one per agent
+    assert len(counted) == len(set(counted)), "a text was counted twice in one refresh"
+    stored = _stored(pg_settings, "u1")
+    for profile in stored.values():
+        assert real_count(pg_settings, profile.text) == profile.tokens
+
+
+def test_the_text_counter_counts_as_count_text_tokens(pg_settings: Settings) -> None:
+    count = llm.text_counter(pg_settings)
+    for text in ("", "- home city: Lisbon\n", "## Preferences\n", "ünïcødé — 東京 " * 50, "x" * 5000):
+        assert count(text) == llm.count_text_tokens(pg_settings, text)
+
+
+def _seeded_world(users: int = 12, per_user: int = 45) -> list[dict[str, Any]]:
+    """A fixed world: ids, times, keys, values, categories, visibilities, owners, recalls
+    and contradictions drawn from one seed; times are whole days before today's
+    midnight (UTC), so ranking by day and staleness do not depend on the hour."""
+    import random
+    import uuid
+
+    rng = random.Random(20261123)
+    midnight = datetime.now(UTC).replace(tzinfo=None, hour=0, minute=0, second=0, microsecond=0)
+    categories = ["fact", "preference", "context", "property", "legacy", "work", "task", "habit", "Preference"]
+    words = ["home", "city", "favorite", "editor", "team", "project", "todo", "deadline", "likes", "pet", "job"]
+    values: list[Any] = ["Lisbon", "vim", "東京 ünïcødé", "a b  c", "line\nbreak", 42, 3.5, True, None]
+    values += [{"a": [1, 2, "x"]}, ["tea", "coffee"], "long " * 60, "  padded  ", "tab\tinside", "— dash"]
+    rows: list[dict[str, Any]] = []
+    for u in range(users):
+        user = f"golden-{u:02d}"
+        agents = [f"agent-{a}" for a in range(rng.randint(1, 5))]
+        for i in range(per_user):
+            days = rng.choice([1, 1, 2, 3, 5, 8, 13, 30, 60, 400])
+            at = midnight - timedelta(days=days, seconds=-rng.randint(0, 86_399))
+            row = entry(
+                user,
+                f"{rng.choice(words)}_{rng.choice(words)}_{i % 7}",
+                rng.choice(values),
+                category=rng.choice(categories),
+                visibility=rng.choice(["global", "self", "self", "group"]),
+                agent=rng.choice([*agents, None]),
+                access_count=rng.choice([0, 0, 1, 2, 5]),
+            )
+            row.update(
+                id=str(uuid.UUID(int=rng.getrandbits(128))),
+                created_at=at,
+                updated_at=at if rng.random() < 0.8 else at + timedelta(hours=rng.randint(1, 20)),
+                conflicted=rng.random() < 0.1,
+            )
+            rows.append(row)
+    return rows
+
+
+# sha256 of every profile built from ``_seeded_world`` (text, tokens, cut and layout) at
+# budgets 2000 and 150: a faster build must build exactly the same profiles.
+GOLDEN_PROFILES = {
+    2000: "0c0fd37a46dbcb0e2fbf92c15b78927ddd364e4efd0abbb207a493709a998e49",
+    150: "79bdd8e3bd6375053fca290ad739d98d73d62916c69edb4fe157e1a380d21f45",
+}
+
+
+@pytest.mark.parametrize("budget", sorted(GOLDEN_PROFILES))
+def test_profiles_of_a_seeded_world_are_exactly_as_before(pg_settings: Settings, budget: int) -> None:
+    import hashlib
+
+    settings = pg_settings.model_copy(update={"profile_token_budget": budget})
+    rows = seed(settings, _seeded_world())
+    users = sorted({r["user_id"] for r in rows})
+    made = _refresh(settings, users)
+    assert len(made) == len(users)
+    with session_scope(settings) as session:
+        stored = session.execute(
+            select(
+                Profile.user_id,
+                Profile.agent_id,
+                Profile.text,
+                Profile.tokens,
+                Profile.budget,
+                Profile.entries_included,
+                Profile.entries_left_out,
+                Profile.layout,
+            ).order_by(Profile.user_id, Profile.agent_id)
+        ).all()
+    assert len(stored) > 3 * len(users)
+    assert any(r.entries_left_out for r in stored) == (budget < 2000)
+    for r in stored:
+        assert r.tokens == llm.count_text_tokens(settings, r.text) <= budget
+    digest = hashlib.sha256(json.dumps([list(r) for r in stored], sort_keys=True, default=str).encode()).hexdigest()
+    assert digest == GOLDEN_PROFILES[budget]
+
+
+def test_the_tokenizer_is_resolved_once_per_model_not_once_per_refresh(pg_settings: Settings, monkeypatch: Any) -> None:
+    from litellm.litellm_core_utils import token_counter
+
+    # A hosted model's name: litellm resolves its tokenizer (the built-in model's count
+    # does not go through litellm at all, see tests/test_token_count.py).
+    pg_settings = pg_settings.model_copy(update={"llm_model": "gpt-4o-mini"})
+
+    resolved: list[str | None] = []
+    real = token_counter._get_count_function
+
+    def resolve(model: str | None, custom: Any = None) -> Any:
+        resolved.append(model)
+        return real(model, custom)
+
+    monkeypatch.setattr(token_counter, "_get_count_function", resolve)
+    monkeypatch.setattr(llm, "_RESOLVED", {}, raising=False)
+    seed(pg_settings, _world("u1") + _world("u2"))
+    _refresh(pg_settings, ["u1"])
+    first = len(resolved)
+    assert first and set(resolved) == {llm.model_name(pg_settings)}
+    _refresh(pg_settings, ["u2"])
+    assert len(resolved) == first, "the second refresh loaded the tokenizer again"
+    for user in ("u1", "u2"):
+        for profile in _stored(pg_settings, user).values():
+            assert profile.tokens == llm.count_text_tokens(pg_settings, profile.text)
+
+
+def test_a_printable_text_holds_no_character_the_line_drops() -> None:
+    # The line format skips its per-character filter for printable text: that is exact
+    # only if no printable character is of a control (C*) category, on this Python.
+    assert not [c for c in range(sys.maxunicode + 1) if chr(c).isprintable() and unicodedata.category(chr(c))[0] == "C"]

@@ -112,6 +112,7 @@ def test_every_label_value_known_in_advance_is_listed() -> None:
         "direction": metrics.LLM_DIRECTIONS,
         "outcome (model calls)": metrics.LLM_OUTCOMES,
         "scope": metrics.BUDGET_SCOPES,
+        "verdict": metrics.PROFILE_VERDICTS,
     }
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     problems = []

@@ -297,3 +297,48 @@ def test_a_wake_up_for_an_exhausted_signal_buries_it(make_settings: Any) -> None
     assert process_signal(settings, sid) == "skipped"
     assert signal_row(settings, sid).status == "dead"
     assert counter("session_end", "dead") == before + 1
+
+
+def test_a_wake_up_that_finds_its_signal_done_costs_one_statement(pg_settings: Settings) -> None:
+    # Under a backlog most wake-ups find their signal done by an earlier batch: each
+    # costs one round trip (the claim, with the burial check in it), no clock reads.
+    from sqlalchemy import event
+
+    from store.db import get_engine
+
+    sids = [
+        enqueue_signal("activity", f"user-{i}", activity_payload(i), settings=pg_settings).signal_id for i in range(3)
+    ]
+    assert process_signal(pg_settings, sids[0]) == "done"
+    statements: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    engine = get_engine(pg_settings)
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        assert [process_signal(pg_settings, sid) for sid in sids] == ["skipped"] * 3
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    assert len(statements) == 3, statements
+    assert {signal_row(pg_settings, sid).status for sid in sids} == {"done"}
+
+
+def test_a_wake_up_buries_its_own_exhausted_signal_and_leaves_the_others_to_their_own(make_settings: Any) -> None:
+    settings = make_settings(signal_max_attempts=1)
+    exhausted = enqueue_signal("activity", "u1", activity_payload(1), settings=settings).signal_id
+    with session_scope(settings) as session:
+        signal_store.claim_signals(session, lease_seconds=60, limit=1)
+        session.execute(update(Signal).where(Signal.id == exhausted).values(claimed_until=now() - timedelta(seconds=1)))
+    other = enqueue_signal("activity", "u2", activity_payload(2), settings=settings).signal_id
+    assert process_signal(settings, exhausted) == "skipped"
+    assert signal_row(settings, exhausted).status == "dead"
+    assert signal_row(settings, exhausted).attempts == 1
+    # A signal whose lease expired may be what killed its worker: its wake-up takes no others.
+    assert (signal_row(settings, other).status, signal_row(settings, other).attempts) == ("pending", 0)
+    assert process_signal(settings, other) == "done"
+
+
+def activity_payload(n: int) -> dict[str, Any]:
+    return {"agent_id": "agent-a", "events": [{"action": f"digest-{n}", "at": "2026-01-05T09:00:00Z"}]}

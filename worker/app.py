@@ -1,24 +1,26 @@
 """The Celery app: ``celery -A worker.app worker|beat`` (``reverie worker|beat``).
 
-Configured for a Redis broker where nothing may be lost. The database rows are the
-truth and a message is only a wake-up, so the broker settings aim at "delivered at
-least once" and every task is safe to run twice:
+Configured for a Redis broker that may go away at any moment. The database rows are the
+truth and a message is only a wake-up: every kind of work that goes through the broker
+is found again from PostgreSQL if its message is lost (a signal by beat's sweeper, from
+its row and its lease; a scheduled dream by the dispatcher, when the claim's lease on
+the user runs out; periodic work by beat's next tick), and every task is safe to run
+twice. So the broker is asked for as little as possible:
 
-- a message is acknowledged after its task ran (late ack), and put back if the child
-  running it dies; a worker holds at most one message per process (prefetch 1);
+- a message is acknowledged when a worker process takes it, and Redis keeps no copy of
+  it after that (no ack emulation: no unacknowledged-message hash, no visibility
+  timeout, nothing to restore or acknowledge through a connection that has just
+  dropped). With ack emulation, kombu 5.7 sometimes failed exactly there when Redis
+  restarted, and Celery stopped the worker as "unrecoverable"; a worker holds at most
+  one message per process (prefetch 1);
 - when Redis goes away the worker reconnects by itself, for as long as it takes
   (Celery's default gives up after 100 attempts, about 45 minutes, and the worker
   then stops consuming for good); a half-open connection is noticed within the
   socket timeout and Redis's health checks instead of hanging a publish forever;
-- tasks still running when the broker connection drops are left to finish, not
-  terminated: their work is in PostgreSQL and commits or rolls back on its own, and
-  Redis redelivers an unacknowledged message only after the visibility timeout, to a
-  task that then finds nothing left to do. Terminating them would only throw away
-  work in progress and leave a dream run half-way (Redis restarted without
-  persistence has forgotten the message anyway);
-- the visibility timeout outlives every task's hard time limit and every retry delay,
-  so Redis never redelivers a message whose task is still running; future work is
-  kept in PostgreSQL (``available_at``, ``next_dream_at``), never as a long countdown;
+- tasks still running when the broker connection drops are left to finish: their
+  work is in PostgreSQL and commits or rolls back on its own;
+- future work is kept in PostgreSQL (``available_at``, ``next_dream_at``), never as a
+  long countdown in the broker;
 - no result backend, JSON only, stable namespaced task names, one queue per kind of
   work so a backlog of dreams never delays signals.
 
@@ -44,9 +46,6 @@ DREAMS_QUEUE = "dreams"
 HOUSEKEEPING_QUEUE = "housekeeping"
 QUEUES = (SIGNALS_QUEUE, DREAMS_QUEUE, HOUSEKEEPING_QUEUE)
 
-#: Seconds Redis waits for an acknowledgement before it redelivers a message. Longer
-#: than the longest hard time limit (``worker.jobs``) and any retry countdown.
-VISIBILITY_TIMEOUT = 2 * 3600
 #: Seconds a command may wait on the broker's socket before the connection counts as lost.
 BROKER_SOCKET_TIMEOUT = 30
 
@@ -68,7 +67,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_connection_retry": True,
         "broker_connection_max_retries": None,
         "broker_transport_options": {
-            "visibility_timeout": VISIBILITY_TIMEOUT,
+            # A message leaves Redis when it is delivered (see the module's docstring).
+            "ack_emulation": False,
             "socket_connect_timeout": 5,
             # Longer than BRPOP's own 1 s timeout; bounds a command on a dead connection.
             "socket_timeout": BROKER_SOCKET_TIMEOUT,
@@ -82,8 +82,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_serializer": "json",
         "accept_content": ["json"],
         "event_serializer": "json",
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
+        "task_acks_late": False,
         "worker_prefetch_multiplier": 1,
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         # Default limits for a task that declares none; each task in worker.jobs sets its own.

@@ -148,7 +148,7 @@ def _beat_init(sender: Any = None, **_: Any) -> None:
     if sender is None:
         return
     try:
-        sender.app.send_task("schedules.adopt", expires=ADOPT_AT_START_EXPIRES)
+        sender.app.send_task("schedules.adopt", kwargs={"at_start": True}, expires=ADOPT_AT_START_EXPIRES)
     except BrokerError as exc:
         # The hourly entry adopts them anyway; beat's own connection errors say the rest.
         log.warning("adoption at start not sent", error_type=type(exc).__name__)

@@ -2,6 +2,12 @@
 
 No broker, no network: the offline model stands in for a real one, with a nominal
 price so the cost cap is exercised exactly as in production.
+
+Log lines name users only by their keyed reference (``REVERIE_LOG_HASH_KEY``), as in
+production; the demo's own tables name them as the memory table does. So that the two
+can be read side by side, the demo first prints each user beside the reference its log
+lines use. That key is printed on the console, never logged: the demo's log lines go
+through the same redacting formatter as the worker's.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 from rich.console import Console
 from rich.table import Table
@@ -20,7 +26,10 @@ from store.memories import table_for
 from store.migrate import upgrade
 from store.types import nano_to_usd, now
 from worker import demo_world
+from worker.logging_setup import configure_logging
+from worker.logs import user_ref
 from worker.producer import enqueue_signal
+from worker.profiles_reader import PromptProfile, get_for_prompt
 from worker.settings import Settings
 
 
@@ -41,12 +50,24 @@ def run_demo(path: Path, console: Console | None = None) -> dict[str, Any]:
         Path(f"{path}{suffix}").unlink(missing_ok=True)
     settings = demo_settings(path)
     upgrade(settings)
+    # The pipeline's log lines are read between the demo's tables: the same console,
+    # in the console format, through the same redaction as the worker's.
+    configure_logging(settings.model_copy(update={"log_format": "console"}), stream=cast(TextIO, out.file))
     seeded = _seed(settings)
+    before = _profile_now(settings, build=True)
     out.print(f"[bold]Reverie demo[/bold]  store: {path}  model: offline  broker: none")
     out.print(
         f"seeded {seeded['entries']} memory entries for {len(demo_world.USERS)} users and "
         f"{len(demo_world.AGENTS)} agents, and {seeded['signals']} signals (all three kinds, two malformed)"
     )
+    refs = user_refs(settings)
+    _table(
+        out,
+        "Users, and how log lines name them (user=...)",
+        ("user", "in log lines"),
+        [(user, ref) for user, ref in refs.items()],
+    )
+    _print_profile(out, "before the signals and the dream", before)
     from schedules.cron import run_once
     from tasks.activity import detect_routines
     from tasks.signals import process_pending
@@ -56,6 +77,7 @@ def run_demo(path: Path, console: Console | None = None) -> dict[str, Any]:
     result = run_once(settings, users=(), all_users=True)
     routines = detect_routines(settings)
     summary = _summarize(settings, result)
+    summary["user_refs"] = refs
     summary["routines"] = routines
     summary["decisions"] = [
         (r.user_id, r.signal_id, r.kind, d.key, d.value, d.accepted, d.outcome)
@@ -65,8 +87,17 @@ def run_demo(path: Path, console: Console | None = None) -> dict[str, Any]:
     for key in ("processed", "rejected", "failed", "dead"):
         summary["pass"][f"signals_{key}"] += getattr(signal_pass, key)
     _print(out, summary)
+    summary["profile_before"] = before.text
+    after = _profile_now(settings, build=False)
+    summary["profile_after"] = after.text
+    _print_profile(out, "after the signals and the dream", after)
     dispose_engines()
     return summary
+
+
+def user_refs(settings: Settings) -> dict[str, str]:
+    """Each demo user and the reference that names them in log lines."""
+    return {user: user_ref(user, settings.log_hash_key) for user in demo_world.USERS}
 
 
 def _seed(settings: Settings) -> dict[str, int]:
@@ -112,6 +143,29 @@ def _note_first_look(settings: Settings) -> None:
     with session_scope(settings) as session:
         entry_state.observe_access_counts(session, table, user_ids=list(demo_world.USERS), at=now() - timedelta(days=1))
         seed.bump_access_count(session, table, user_id="alice", key="seat")
+
+
+def _profile_now(settings: Settings, *, build: bool) -> PromptProfile:
+    """The demo's shown profile as it stands (``build``: built first, as a dream would)."""
+    user, agent = demo_world.PROFILE_SHOWN
+    if build:
+        from store import policies as policy_store
+        from tasks import profiles
+        from worker.policy import book
+
+        with session_scope(settings) as session:
+            policies = book(settings, policy_store.all_configs(session))
+            profiles.refresh(session, settings, [user], book=policies)
+    return get_for_prompt(user, agent, settings=settings)
+
+
+def _print_profile(out: Console, when: str, profile: PromptProfile) -> None:
+    out.print(
+        f"[bold]Profile of {profile.user_id} as {profile.agent_id} sees it, {when}[/bold] "
+        f"({profile.tokens} tokens, {profile.entries_included} entries, {profile.entries_left_out} left out)"
+    )
+    # Plain text: a value may hold brackets that markup would swallow.
+    out.print(profile.text.rstrip("\n") or "(empty)", markup=False, highlight=False)
 
 
 def _summarize(settings: Settings, result: Any) -> dict[str, Any]:

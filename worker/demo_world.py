@@ -12,6 +12,8 @@ from typing import Any
 
 USERS = ("alice", "bruno", "chen")
 AGENTS = ("travel-agent", "coach-agent", "inbox-agent")
+#: The (user, agent) whose profile the demo prints before and after.
+PROFILE_SHOWN = ("alice", "travel-agent")
 
 
 @dataclass(frozen=True)

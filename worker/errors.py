@@ -100,3 +100,12 @@ class KeyModelUnavailable(ReverieError):
         self.reason = reason
         self.detail = detail
         super().__init__(f"key-matching model unavailable ({reason}): {detail}")
+
+
+class LexiconInvalid(ConfigError):
+    """The key lexicon file cannot be read or is not laid out as documented."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"key lexicon {path}: {reason}")

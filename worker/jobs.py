@@ -6,7 +6,9 @@ at its boundary; follow-up messages are sent only after that commit. Arguments a
 
 Retry policy: only typed transient errors (:class:`~worker.errors.TransientError`,
 :class:`~worker.errors.DatabaseUnavailable`) are retried, with exponential backoff
-capped well below the broker's visibility timeout. Anything else is a bug or bad
+capped at a few minutes. A retry is only a shortcut: if its message is lost, the work
+is found again from PostgreSQL (a signal by the sweeper, a dispatched user when the
+dispatch lease ends). Anything else is a bug or bad
 input and fails the task once. Periodic tasks never retry: the next tick does the
 same work.
 """
@@ -21,10 +23,12 @@ from celery import Task
 from celery.exceptions import SoftTimeLimitExceeded
 
 from schedules import dispatcher, sweeper
+from schedules.beat import periods
 from tasks.activity import detect_routines
 from tasks.dream import dream_user, dream_users
 from tasks.retention import purge_expired
 from tasks.signals import process_signal
+from worker import periodic
 from worker.app import app
 from worker.errors import BrokerUnavailable, DatabaseUnavailable, TransientError
 from worker.logs import get_logger
@@ -36,8 +40,7 @@ log = get_logger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 TRANSIENT = (TransientError, DatabaseUnavailable)
-#: Longest wait before a retry; with jitter and the cap it stays far below the
-#: visibility timeout, so no retry is a long countdown in Redis.
+#: Longest wait before a retry, so no retry is a long countdown in the broker.
 RETRY_BACKOFF_MAX = 300
 RETRY = {
     "autoretry_for": TRANSIENT,
@@ -49,6 +52,13 @@ RETRY = {
 #: A chunk of users hands what is left to a new message after this long, so one
 #: message never holds a worker near its time limit.
 CHUNK_BUDGET_SECONDS = 600.0
+
+
+def first_of_its_period(task: Task) -> bool:
+    """Whether this message of a periodic task should run (see :mod:`worker.periodic`)."""
+    settings = get_settings()
+    name = task.name
+    return periodic.claim(settings, name, task.request.expires, task.request.id, periods(settings)[name])
 
 
 def task(name: str, **options: Any) -> Callable[[F], F]:
@@ -100,9 +110,11 @@ def dispatch() -> int:
     return dispatcher.dispatch(settings, lambda chunk: send_user_runs(settings, chunk)).sent
 
 
-@task("schedules.sweep", soft_time_limit=100, time_limit=120)
-def sweep() -> int:
-    """Re-send wake-ups for signals that are not moving."""
+@task("schedules.sweep", bind=True, soft_time_limit=100, time_limit=120)
+def sweep(self: Task) -> int | None:
+    """Re-send wake-ups for signals that are not moving (None: this period's sweep ran)."""
+    if not first_of_its_period(self):
+        return None
     settings = get_settings()
 
     def send(signal_ids: list[int]) -> int:
@@ -116,21 +128,29 @@ def sweep() -> int:
         return exc.sent
 
 
-@task("schedules.adopt", soft_time_limit=1700, time_limit=1800)
-def adopt() -> int:
-    """Schedule the memory table's users that have no schedule row yet."""
+@task("schedules.adopt", bind=True, soft_time_limit=1700, time_limit=1800)
+def adopt(self: Task, at_start: bool = False) -> int | None:
+    """Schedule the memory table's users that have no schedule row yet. ``at_start``:
+    the adoption beat sends when it starts, which always runs (a beat restarted after
+    pointing it at a database full of users must not wait for the hourly one)."""
+    if not at_start and not first_of_its_period(self):
+        return None
     return dispatcher.adopt(get_settings())
 
 
-@task("activity.routines", soft_time_limit=3300, time_limit=3600, **RETRY)
-def routines() -> int:
+@task("activity.routines", bind=True, soft_time_limit=3300, time_limit=3600, **RETRY)
+def routines(self: Task) -> int | None:
     """The daily routine detection over recent activity events."""
+    if not first_of_its_period(self):
+        return None
     return detect_routines(get_settings())
 
 
-@task("retention.purge", soft_time_limit=1700, time_limit=1800)
-def purge() -> dict[str, int]:
+@task("retention.purge", bind=True, soft_time_limit=1700, time_limit=1800)
+def purge(self: Task) -> dict[str, int] | None:
     """Purge what is past its retention (archive, signal payloads, events, runs, spend)."""
+    if not first_of_its_period(self):
+        return None
     return asdict(purge_expired(get_settings()))
 
 

@@ -227,6 +227,111 @@ def count_text_tokens(settings: Settings, text: str) -> int:
     return int(litellm.token_counter(model=model_name(settings), text=text, count_response_tokens=True))
 
 
+def text_counter(settings: Settings) -> Callable[[str], int]:
+    """A counter equal to :func:`count_text_tokens` for the configured model, with its
+    tokenizer looked up once: what counts many short texts (a profile's lines) in a row.
+    For the built-in model it does not import litellm (:func:`_builtin_counter`)."""
+    if is_builtin(settings):
+        builtin = _builtin_counter()
+        if builtin is not None:
+            return builtin
+    litellm = _load()
+    model = model_name(settings)
+    if litellm.disable_token_counter is not True:
+        count = _resolved_counter(model, settings)
+        if count is not None:
+            return lambda text: int(count(text))
+    return lambda text: count_text_tokens(settings, text)
+
+
+#: litellm's counting for a model it knows no tokenizer of (the built-in model's case):
+#: tiktoken's ``cl100k_base`` from the copy litellm ships, over 1,024-character chunks,
+#: exact up to 4,000,000 characters. Its environment overrides send us to litellm itself.
+_CL100K_FILE = "9b5ad71b2ce5302211f9c61530b329a4922fc6a4"  # tiktoken's cache name for it
+_CHUNK_CHARS = 1024
+_MAX_EXACT_CHARS = 4_000_000
+_LITELLM_COUNT_SETTINGS = ("TIKTOKEN_ENCODE_CHUNK_SIZE_CHARS", "TOKEN_COUNTER_MAX_EXACT_CHARS")
+_builtin: list[Callable[[str], int] | None] = []
+
+
+def _builtin_counter() -> Callable[[str], int] | None:
+    """What litellm's ``token_counter(text=..., count_response_tokens=True)`` gives for
+    the built-in model, without importing litellm (seconds of a cron pass's start-up):
+    the same encoding file, chunks and limit (``tests/test_token_count.py`` checks the
+    two agree, so a litellm that counts otherwise fails it). None where that cannot be
+    promised: a count setting of litellm's changed, or its file is not where expected."""
+    with _lock:
+        if _builtin:
+            return _builtin[0]
+        found: Callable[[str], int] | None = None
+        if not any(os.environ.get(name) for name in _LITELLM_COUNT_SETTINGS):
+            found = _load_cl100k()
+        _builtin.append(found)
+        return found
+
+
+def _load_cl100k() -> Callable[[str], int] | None:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    # litellm's own choice of directory (it sets the same variable when imported).
+    folder = os.environ.get("CUSTOM_TIKTOKEN_CACHE_DIR") or str(
+        Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
+    )
+    if not (Path(folder) / _CL100K_FILE).is_file():
+        return None
+    os.environ["TIKTOKEN_CACHE_DIR"] = folder
+    import tiktoken
+
+    encoding = tiktoken.get_encoding("cl100k_base")
+    slow = None
+
+    def count(text: str) -> int:
+        nonlocal slow
+        if len(text) > _MAX_EXACT_CHARS:
+            # litellm extrapolates from samples past this length: let it.
+            slow = slow or _load()
+            return int(slow.token_counter(model=_builtin_model(), text=text, count_response_tokens=True))
+        return sum(
+            len(encoding.encode(text[start : start + _CHUNK_CHARS], disallowed_special=()))
+            for start in range(0, len(text), _CHUNK_CHARS)
+        )
+
+    return count
+
+
+def _builtin_model() -> str:
+    from worker.offline_model import MODEL
+
+    return MODEL
+
+
+#: The count function litellm resolves for a model, checked once against
+#: :func:`count_text_tokens` (None: it differs, count through ``token_counter``). Loading
+#: a tokenizer is costly, and a sweep builds profiles chunk after chunk.
+_RESOLVED: dict[str, Callable[[str], int] | None] = {}
+
+
+def _resolved_counter(model: str, settings: Settings) -> Callable[[str], int] | None:
+    if model in _RESOLVED:
+        return _RESOLVED[model]
+    found: Callable[[str], int] | None = None
+    try:
+        from litellm.litellm_core_utils.token_counter import _get_count_function
+
+        count = _get_count_function(model, None)
+        probe = "- warm: up, 12 words\n"
+        if count(probe) == count_text_tokens(settings, probe):
+            found = count
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
+    _RESOLVED[model] = found
+    return found
+
+
 def reservation_floor_nano(settings: Settings, messages: list[dict[str, str]], min_tokens: int) -> int:
     """The least a call with these messages can reserve (its prompt and ``min_tokens``)."""
     in_price, out_price = prices(settings)

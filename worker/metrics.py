@@ -26,6 +26,11 @@ PROFILE_BUILD_DURATION = Histogram(
 PROFILE_TOKENS = Histogram(
     "dream_profile_tokens", "Tokens of each profile built.", buckets=(50, 100, 250, 500, 1000, 2000, 4000, 8000, 16000)
 )
+PROFILE_MODEL_REPLIES = Counter(
+    "dream_profile_model_replies_total",
+    "Model-written profiles, by what became of the model's answer.",
+    ["verdict"],
+)
 
 SIGNALS_PROCESSED = Counter(
     "dream_signals_processed_total", "Signals processed, by kind and outcome.", ["kind", "outcome"]
@@ -80,7 +85,8 @@ SIGNAL_OUTCOMES = ("done", "rejected", "failed", "dead")
 # Label values known in advance, exported at zero from the first scrape.
 MEMORY_WRITE_SOURCES = ("session_end", "feedback", "activity", "summarize")
 MEMORY_WRITE_ACTIONS = ("insert", "update", "delete")
-LLM_PURPOSES = ("extract_facts", "feedback", "summarize")
+LLM_PURPOSES = ("extract_facts", "feedback", "summarize", "profile")
+PROFILE_VERDICTS = ("rewritten", "unchanged", "refused", "unusable", "not_called", "failed")
 LLM_DIRECTIONS = ("input", "output")
 LLM_OUTCOMES = ("ok", "transient", "permanent", "error", "over_ceiling", "malformed")
 BUDGET_SCOPES = ("run", "day", "user", "signal")

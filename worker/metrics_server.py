@@ -165,6 +165,8 @@ def initialise_label_sets(model: str | None = None) -> None:
             metrics.LLM_REQUESTS.labels(model=model, outcome=outcome)
     for reason in metrics.KEY_MODEL_REASONS:
         metrics.KEY_MODEL_UNAVAILABLE.labels(reason)
+    for verdict in metrics.PROFILE_VERDICTS:
+        metrics.PROFILE_MODEL_REPLIES.labels(verdict)
 
 
 def build_registry() -> Any:

@@ -9,7 +9,9 @@ preferences are the offline rules' own, but from one call to the next this mode:
   changed, names a changed one by that entry's handle, and reuses a pending key; now
   and then it still drifts, so the key matcher is exercised too;
 - varies the case of values and adds closing punctuation or quotes;
-- wraps its JSON in prose or code fences, and sometimes in an object.
+- wraps its JSON in prose or code fences, and sometimes in an object;
+- rewrites a profile with the value of its first line retouched (so the rewrite is
+  refused: that line is no entry's).
 
 Seeded and deterministic: the same seed and prompt give the same reply, in any process.
 """
@@ -72,6 +74,8 @@ def answer(purpose: str, task: Any, seed: int) -> str:
     """The drifting reply text for a purpose and its input."""
     from worker.offline_model import answer as plain_answer
 
+    if isinstance(task, dict) and purpose == "profile":
+        return _retouched_profile(task, rng_for(seed, purpose, task))
     if not isinstance(task, dict) or purpose not in ("extract_facts", "feedback"):
         return plain_answer(purpose, task)
     rng = rng_for(seed, purpose, task)
@@ -85,6 +89,22 @@ def answer(purpose: str, task: Any, seed: int) -> str:
         items = [item for item in drifted if item is not None]
         wrapper = "preferences"
     return _wrap(items, wrapper, rng)
+
+
+def _retouched_profile(task: dict[str, Any], rng: random.Random) -> str:
+    """A whole rewrite whose first line's value is retouched (cased or punctuated
+    anew), as a drifting model rewords: a line no entry backs."""
+    from worker.offline_model import profile_lines, profile_text
+
+    lines = profile_lines(task)
+    if lines:
+        section, line = lines[0]
+        key, sep, value = line.partition(": ")
+        retouched = _vary_value(value, rng)
+        if retouched == value:
+            retouched = value.upper() + "!" if value.upper() != value else value.lower() + "."
+        lines[0] = (section, f"{key}{sep}{retouched}")
+    return json.dumps({"profile": profile_text(lines)}, ensure_ascii=False)
 
 
 def _drift(item: dict[str, Any], task: dict[str, Any], rng: random.Random, *, vary: bool) -> dict[str, Any] | None:

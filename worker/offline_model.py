@@ -4,7 +4,7 @@
 (token counting, reservation, the litellm call, usage, settlement); only the answer is
 computed here. Prompt convention: the system prompt starts with ``[reverie:<purpose>]``
 and the last user message carries the task input as JSON after a line ``INPUT:``.
-The reply is a JSON array of items.
+The reply is a JSON array of items (for ``profile``, an object: see :func:`profile`).
 
 Importing this module does not import litellm; :func:`build_handler` does.
 """
@@ -77,10 +77,39 @@ def summarize(task: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
+def profile_lines(task: dict[str, Any]) -> list[tuple[str, str]]:
+    """The profile a model would write: the given lines under their sections, new or
+    changed ones first within each section, the others in the order given."""
+    entries = [e for e in task.get("entries", []) if isinstance(e, dict) and isinstance(e.get("line"), str)]
+    order = {name: index for index, name in enumerate(task.get("sections") or [])}
+    ranked = sorted(entries, key=lambda e: (order.get(e.get("section"), len(order)), not e.get("changed")))
+    return [(str(e.get("section")), str(e["line"])) for e in ranked]
+
+
+def profile_text(lines: list[tuple[str, str]]) -> str:
+    parts: list[str] = []
+    for index, (section, line) in enumerate(lines):
+        if not index or lines[index - 1][0] != section:
+            parts.append(f"## {section}")
+        parts.append(line)
+    return "\n".join(parts) + "\n" if parts else ""
+
+
+def profile(task: dict[str, Any]) -> dict[str, Any]:
+    """``unchanged`` when no entry is new or changed and no line went away, else the
+    given lines reordered (see :func:`profile_lines`)."""
+    entries = [e for e in task.get("entries", []) if isinstance(e, dict)]
+    if not task.get("removed") and not any(e.get("changed") for e in entries):
+        return {"unchanged": True}
+    return {"profile": profile_text(profile_lines(task))}
+
+
 def answer(purpose: str, task: Any) -> str:
     """The reply text for a purpose and its input."""
     if not isinstance(task, dict):
         return "[]"
+    if purpose == "profile":
+        return json.dumps(profile(task), ensure_ascii=False)
     if purpose == "summarize":
         items = summarize(task)
     elif purpose == "extract_facts":

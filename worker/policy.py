@@ -19,6 +19,7 @@ from worker.errors import ConfigError
 from worker.settings import Settings
 
 RESOLUTIONS = ("flag", "keep_newest")
+PROFILE_WRITERS = ("deterministic", "model")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Policy:
     summarizeTargetEntries: int
     contradictionResolution: str
     crossAgentMaintenance: bool
+    profileWriter: str
 
     @property
     def prunes(self) -> bool:
@@ -46,6 +48,10 @@ class Policy:
     @property
     def summarizes(self) -> bool:
         return self.enabled and self.summarizeInteractions
+
+    @property
+    def writes_profiles_with_model(self) -> bool:
+        return self.enabled and self.profileWriter == "model"
 
     def as_config(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -66,6 +72,7 @@ def defaults(settings: Settings) -> Policy:
         summarizeTargetEntries=settings.summarize_target_entries,
         contradictionResolution=settings.contradiction_resolution,
         crossAgentMaintenance=settings.cross_agent_maintenance,
+        profileWriter=settings.profile_writer,
     )
 
 
@@ -112,6 +119,12 @@ def _resolution(name: str, value: Any) -> str:
     return str(value)
 
 
+def _writer(name: str, value: Any) -> str:
+    if value not in PROFILE_WRITERS:
+        raise ConfigError(f"{name} must be one of {', '.join(PROFILE_WRITERS)}, not {value!r}")
+    return str(value)
+
+
 _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "enabled": _bool,
     "pruneStaleAfterDays": _int(0),
@@ -122,6 +135,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "summarizeTargetEntries": _int(1),
     "contradictionResolution": _resolution,
     "crossAgentMaintenance": _bool,
+    "profileWriter": _writer,
 }
 
 

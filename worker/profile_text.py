@@ -15,6 +15,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 SECTIONS = ("About the user", "Preferences", "Work", "Context", "Follow-ups")
@@ -76,6 +77,7 @@ def _words(key: str) -> set[str]:
     return {word.lower() for word in _WORD.findall(key)}
 
 
+@lru_cache(maxsize=65_536)
 def section_of(category: str | None, key: str) -> int:
     """The section an entry goes to, from its category, else the words of its key."""
     category = (category or "fact").lower()
@@ -94,7 +96,13 @@ def section_of(category: str | None, key: str) -> int:
 def _plain(text: str, limit: int) -> str:
     # One line whatever the value holds: control characters dropped, whitespace runs
     # (newlines included) made one space, and long values shortened.
-    kept = "".join(ch for ch in text if unicodedata.category(ch)[0] != "C" or ch.isspace())
+    if len(text) <= limit and text.isprintable() and "  " not in text and text[:1] != " " and text[-1:] != " ":
+        # Nothing to drop or join (printable: no control character, no space but ' ').
+        return text
+    # Printable text holds no control (``C*``) character: only a long or spaced value is here.
+    kept = (
+        text if text.isprintable() else "".join(ch for ch in text if unicodedata.category(ch)[0] != "C" or ch.isspace())
+    )
     flat = " ".join(kept.split())
     return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
 
@@ -149,9 +157,23 @@ def estimate(layout: Layout, kept: int) -> int:
 
 
 def cut(layout: Layout, budget: int) -> int:
-    """How many of the ranked lines fit ``budget``: the largest prefix that does."""
-    best = 0
+    """How many of the ranked lines fit ``budget``: the largest prefix that does (its
+    :func:`estimate` at most ``budget``), every prefix's estimate taken in one pass."""
+    best = tokens = chars = 0
+    sections: set[int] = set()
     for kept in range(len(layout.lines) + 1):
-        if estimate(layout, kept) <= budget:
+        if kept:
+            line = layout.lines[kept - 1]
+            tokens += line.tokens
+            chars += len(line.text)
+            if line.section not in sections:
+                sections.add(line.section)
+                tokens += layout.header_tokens[line.section]
+                chars += len(header_line(line.section))
+        total_tokens, total_chars = tokens, chars
+        if kept < layout.total:
+            total_tokens += layout.left_out_tokens
+            total_chars += len(left_out_line(layout.total - kept))
+        if total_tokens + WINDOW_SLACK_TOKENS * (total_chars // COUNT_WINDOW_CHARS) <= budget:
             best = kept
     return best

@@ -16,7 +16,6 @@ from sqlalchemy.orm import Session
 
 from store import profiles as profile_store
 from store.db import session_scope
-from store.models import Profile
 from worker.profile_text import Layout, assemble, cut, estimate
 from worker.settings import Settings, get_settings
 
@@ -66,7 +65,7 @@ def get_for_prompt(
 def _read(
     session: Session, user_id: str, agent_id: str | None, token_budget: int | None, settings: Settings | None
 ) -> PromptProfile:
-    row = profile_store.read(session, user_id, agent_id)
+    row = profile_store.read(session, user_id, agent_id, layout_over=token_budget)
     if row is None:
         budget = token_budget if token_budget is not None else (settings or get_settings()).profile_token_budget
         return PromptProfile(user_id, agent_id, "", 0, budget, 0, 0, None)
@@ -76,13 +75,13 @@ def _read(
     return _cut(row, agent_id, token_budget)
 
 
-def _whole(row: Profile, agent_id: str | None, budget: int) -> PromptProfile:
+def _whole(row: Any, agent_id: str | None, budget: int) -> PromptProfile:
     return PromptProfile(
         row.user_id, agent_id, row.text, row.tokens, budget, row.entries_included, row.entries_left_out, row.built_at
     )
 
 
-def _cut(row: Profile, agent_id: str | None, budget: int) -> PromptProfile:
+def _cut(row: Any, agent_id: str | None, budget: int) -> PromptProfile:
     layout = Layout.from_json(row.layout)
     kept = cut(layout, budget)
     if kept >= row.entries_included and row.entries_included:

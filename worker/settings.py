@@ -38,6 +38,14 @@ class Settings(BaseSettings):
     memory_table: str = Field(default="usermemories", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
     # Name of a last-access timestamp column on the host memory table, if it has one.
     memory_last_access_column: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    # A host that vanishes mid-transaction (cut off, frozen, powered off) says nothing:
+    # PostgreSQL would keep its session, and the row locks it holds (a lease, a signal),
+    # until TCP gives up, hours later. The server ends a Reverie session idle this long
+    # inside a transaction (0: the server's own setting)...
+    database_idle_in_transaction_seconds: float = Field(default=300.0, ge=0)
+    # ...and each side probes a silent connection after this many seconds and drops it
+    # two probes later (0: the operating system's defaults).
+    database_keepalive_seconds: float = Field(default=10.0, ge=0)
 
     # -- the model ----------------------------------------------------------------
     llm_model: str = "offline"
@@ -74,8 +82,15 @@ class Settings(BaseSettings):
     cross_agent_maintenance: bool = False
     protected_categories: str = "property,legacy"
     dream_interval_hours: float = Field(default=24.0, gt=0)
+    # How long a dream run holds a user's lease between renewals; unset, the larger of
+    # ten minutes and four model timeouts.
+    dream_lease_seconds: float | None = Field(default=None, ge=2)
     # Tokens a profile (prompt-ready memory per user and agent) may hold.
     profile_token_budget: int = Field(default=2000, ge=1, le=1_000_000)
+    # Who writes a profile: the deterministic builder, or the model (policy ``profileWriter``).
+    profile_writer: Literal["deterministic", "model"] = "deterministic"
+    # False: dreams build no profiles at all (the ones stored stay as they are).
+    build_profiles: bool = True
 
     # -- signals ------------------------------------------------------------------
     allowed_categories: str = "preference,fact,context"
@@ -113,6 +128,11 @@ class Settings(BaseSettings):
     key_match_strict_threshold: float = Field(default=0.90, gt=0, le=1)
     # The ONNX file to use instead of the one the model package installs.
     key_matching_model_path: str | None = None
+    # The concept lexicon's synonyms (role = job_title, office = work); false keeps its
+    # contrasts (home/work, first/last) and drops the synonyms.
+    key_lexicon: bool = True
+    # A lexicon file to use instead of the built-in worker/keymatch/data/lexicon.toml.
+    key_lexicon_path: str | None = None
 
     # -- operations ---------------------------------------------------------------
     metrics_port: int = Field(default=9540, ge=1, le=65535)
@@ -129,7 +149,8 @@ class Settings(BaseSettings):
     # Users claimed per dispatcher tick, and users per ``dream.run_users`` message.
     dispatch_max_users: int = Field(default=10_000, ge=1)
     dispatch_chunk_size: int = Field(default=100, ge=1)
-    # A dirty user whose dispatched run has not cleared them by then is sent again.
+    # A user whose dispatched run has not finished by then is sent again (the message
+    # was lost, or the worker died); longer than a chunk's hard time limit.
     dispatch_lease_seconds: int = Field(default=3600, ge=5)
     # A user touched by a signal is dreamed this long after the first change, so a busy
     # conversation costs one dream, not one per signal.
@@ -145,6 +166,23 @@ class Settings(BaseSettings):
     worker_concurrency: int = Field(default=2, ge=1)
     # How long one ``reverie run`` pass may dream; users it does not reach stay due.
     cron_time_limit_seconds: float = Field(default=840.0, gt=0)
+    # Chunks one ``reverie run`` pass works on at once (threads; PostgreSQL only): one
+    # chunk's Python work overlaps another's wait on the database.
+    cron_concurrency: int = Field(default=2, ge=1, le=64)
+
+    @field_validator("key_lexicon_path")
+    @classmethod
+    def _lexicon_readable(cls, path: str | None) -> str | None:
+        # A broken lexicon file stops the process at start, not each signal later.
+        if path:
+            from worker.errors import LexiconInvalid
+            from worker.keymatch.lexicon import load
+
+            try:
+                load(path)
+            except LexiconInvalid as exc:
+                raise ValueError(exc.reason) from exc
+        return path
 
     @field_validator("database_url")
     @classmethod

@@ -5,8 +5,11 @@ place that compares keys: writes, contradiction detection and feedback recurrenc
 
 - Rules first (:mod:`worker.keymatch.rules`): case, separators, British and American
   spelling, plurals and common abbreviations make ``Favourite-Colours`` and
-  ``favorite_color`` one key. Keys that differ in a contrasting word (``first_name`` /
-  ``last_name``, ``home_city`` / ``work_city``) are never one key.
+  ``favorite_color`` one key; the concept lexicon (:mod:`worker.keymatch.lexicon`)
+  writes synonyms as their concept (``role`` -> ``job_title``, ``office_city`` ->
+  ``work_city``), so those are one key too. Keys that differ in a contrasting word
+  (``first_name`` / ``last_name``, ``home_city`` / ``work_city``, ``residence_city`` /
+  ``office_city``) are never one key.
 - Then, where the rules leave it open, a small local embedding model
   (:mod:`worker.keymatch.embedding`) compares short phrases about the user built from
   the keys (``the user's home city``): at or above ``key_match_threshold`` they are one
@@ -34,7 +37,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import structlog
 
 from worker.errors import KeyModelUnavailable
+from worker.keymatch import lexicon as lexicons
 from worker.keymatch import rules
+from worker.keymatch.lexicon import Lexicon
 from worker.settings import Settings
 
 if TYPE_CHECKING:
@@ -68,8 +73,12 @@ class KeyMatcher:
         embedder: Embedder | None = None,
         threshold: float = 0.70,
         strict_threshold: float = 0.90,
+        lexicon: Lexicon | None = None,
     ) -> None:
         self.mode: Mode = mode
+        #: Synonyms and contrasts (default: the built-in lexicon, synonyms on).
+        self.lexicon = lexicon if lexicon is not None else lexicons.load()
+        self._forms: dict[str, str] = {}
         self.embedder = embedder if mode == "embedding" else None
         self.threshold = threshold
         self.strict_threshold = strict_threshold
@@ -84,11 +93,21 @@ class KeyMatcher:
     # -- the rules ------------------------------------------------------------------
 
     def normalise(self, key: str) -> str:
-        """The key's rules form (``Date-Of-Birth``, ``DOB`` -> ``date_of_birth``);
-        under ``off``, only case and separators are normalised."""
+        """The key's rules form (``Date-Of-Birth``, ``DOB`` -> ``birthday``, ``role`` ->
+        ``job_title``); under ``off``, only case and separators are normalised."""
         if self.mode == "off":
             return _plain(key)
-        return rules.normalise(key)
+        found = self._forms.get(key)
+        if found is None:
+            if len(self._forms) >= MEMORY_VECTORS:
+                self._forms = {}
+            words = self.lexicon.canonical(rules.words(key))
+            found = self._forms[key] = "_".join(words) if words else key.strip().lower()
+        return found
+
+    def contrasting(self, a: str, b: str) -> bool:
+        """True when keys in rules form differ in a word that names another fact."""
+        return rules.contrasting(a, b, self.lexicon)
 
     @staticmethod
     def phrase(norm: str) -> str:
@@ -170,7 +189,7 @@ class KeyMatcher:
 
     def _decide(self, a: str, b: str, similarity: float | None) -> bool:
         """``a`` and ``b`` in rules form, different; ``similarity`` None: rules only."""
-        if similarity is None or rules.contrasting(a, b):
+        if similarity is None or self.contrasting(a, b):
             return False
         needed = self.strict_threshold if rules.other_slot(a, b) else self.threshold
         return similarity >= needed
@@ -193,7 +212,7 @@ class KeyMatcher:
         na, nb = self.normalise(a), self.normalise(b)
         if a == b or na == nb:
             return True
-        if self.embedder is None or rules.contrasting(na, nb):
+        if self.embedder is None or self.contrasting(na, nb):
             return False
         self._ensure([na, nb])
         return nb in self._matched(na)
@@ -300,22 +319,27 @@ def get_matcher(settings: Settings) -> KeyMatcher:
     """The process-wide matcher for these settings, built (and its model loaded) once.
 
     A model that cannot be loaded leaves a rules-only matcher, a warning in the log and
-    a count in ``dream_key_model_unavailable_total``; it never raises."""
+    a count in ``dream_key_model_unavailable_total``; it never raises for the model. A
+    lexicon file (``key_lexicon_path``) that cannot be read raises :class:`LexiconInvalid`."""
     ident: tuple[object, ...] = (
         settings.key_matching,
         settings.key_match_threshold,
         settings.key_match_strict_threshold,
         settings.key_matching_model_path,
+        settings.key_lexicon,
+        settings.key_lexicon_path,
     )
     with _lock:
         matcher = _matchers.get(ident)
         if matcher is None:
+            lexicon = lexicons.load(settings.key_lexicon_path)
             embedder = _load_embedder(settings) if settings.key_matching == "embedding" else None
             matcher = _matchers[ident] = KeyMatcher(
                 mode=settings.key_matching,
                 embedder=embedder,
                 threshold=settings.key_match_threshold,
                 strict_threshold=settings.key_match_strict_threshold,
+                lexicon=lexicon if settings.key_lexicon else lexicon.without_synonyms(),
             )
         return matcher
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.keymatch.lexicon import Lexicon
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 _WORDS = re.compile(r"[^\W_]+", re.UNICODE)
@@ -112,6 +116,8 @@ _COMPOUNDS = {
     ("cell", "phone"): "phone",
     ("mobile", "phone"): "phone",
     ("phone", "number"): "phone",
+    ("check", "in"): "checkin",
+    ("check", "out"): "checkout",
 }
 
 # Words whose plural is not the word plus s/es/ies, or that end in s as singular.
@@ -171,52 +177,9 @@ _IRREGULAR = {
     "linguistics": "linguistics",
 }
 
-# Words that name different facts when two keys differ in them: a model may score
-# ``first_name`` and ``last_name`` as near-twins, but they are never the same fact.
-CONTRAST_CLASSES: tuple[frozenset[str], ...] = tuple(
-    frozenset(words.split())
-    for words in (
-        "first last middle given family maiden",
-        "home work office school business personal private vacation holiday",
-        "dog cat bird fish horse rabbit hamster pet",
-        "start end begin finish beginning ending open close opening closing arrival departure",
-        "minimum maximum average typical",
-        "previous current former next old new past future last latest original",
-        "mother father mom dad parent brother sister son daughter child wife husband"
-        " boyfriend girlfriend grandmother grandfather grandma grandpa aunt uncle cousin friend boss colleague",
-        "morning afternoon evening night day noon midnight",
-        "monday tuesday wednesday thursday friday saturday sunday weekday weekend",
-        "january february march april may june july august september october november december",
-        "spring summer autumn fall winter",
-        "primary secondary tertiary backup alternate alternative",
-        "left right",
-        "birth death wedding graduation anniversary",
-        "breakfast lunch dinner brunch snack dessert",
-        "city country state region province county street neighborhood continent hometown",
-        "upper lower",
-        "small big large little tiny huge medium",
-        "short long tall",
-        "high low",
-        "young old elderly",
-        "light dark",
-        "fast slow",
-        "hot cold warm",
-        "inbound outbound incoming outgoing",
-        "source target destination origin",
-        "buy sell",
-        "input output",
-        "north south east west",
-        "red orange yellow green blue purple pink brown black white gray",
-        "email phone address fax",
-        "height weight age",
-        "favorite least",
-        "like dislike love hate",
-        "allergy intolerance",
-        "spoken written native learning",
-        "sender recipient",
-        "day week month year hour minute",
-    )
-)
+# Words that name different facts when two keys differ in them (``first``/``last``,
+# ``home``/``work``) are listed as contrast classes in the concept lexicon
+# (``data/lexicon.toml``, :mod:`worker.keymatch.lexicon`).
 
 # One key negates what the other states: ``favorite_food`` / ``least_favorite_food``.
 _NEGATIONS = frozenset(("not", "non", "never", "least", "dis", "un", "anti", "without", "avoid", "dislike", "hate"))
@@ -287,10 +250,12 @@ def normalise(key: str) -> str:
     return "_".join(found) if found else key.strip().lower()
 
 
-def contrasting(a: str, b: str) -> bool:
+def contrasting(a: str, b: str, lexicon: Lexicon | None = None) -> bool:
     """True when the keys differ in a word that names a different fact (``first``/``last``,
     ``home``/``work``, ``dog``/``cat``, ``start``/``end``, ``minimum``/``maximum``, a
-    negation, a number): such keys never mean the same, whatever their similarity."""
+    negation, a number): such keys never mean the same, whatever their similarity.
+
+    ``lexicon`` gives the contrast classes and qualifiers (default: the built-in one)."""
     # Numbers count in order, inside words too: ``n0``/``n1``, ``note_0_1``/``note_1_0``.
     if _DIGIT_RUNS.findall("_".join(words(a))) != _DIGIT_RUNS.findall("_".join(words(b))):
         return True
@@ -306,7 +271,11 @@ def contrasting(a: str, b: str) -> bool:
         return True
     if any(_DIGITS.match(w) for w in only_a | only_b):
         return True
-    return any((only_a & words_) and (only_b & words_) for words_ in CONTRAST_CLASSES)
+    if lexicon is None:
+        from worker.keymatch.lexicon import load
+
+        lexicon = load()
+    return lexicon.contrasting(only_a, only_b)
 
 
 def head(key: str) -> str:
@@ -318,8 +287,14 @@ def head(key: str) -> str:
 
 
 def other_slot(a: str, b: str) -> bool:
-    """True when the keys share words but are about different things (``favorite_movie`` /
-    ``favorite_book``): the same frame with another slot, usually another fact."""
+    """True when the keys share words but are about different things: the same frame with
+    another slot (``favorite_movie`` / ``favorite_book``), or the same thing with another
+    modifier on each side (``gross_salary`` / ``net_salary``, ``dog_breed`` /
+    ``cat_breed``). Usually another fact; a model must be surer to join them."""
     wa, wb = set(words(a)), set(words(b))
     ha, hb = head(a), head(b)
-    return bool(wa & wb) and ha != hb and ha not in wb and hb not in wa
+    if not wa & wb:
+        return False
+    if ha != hb:
+        return ha not in wb and hb not in wa
+    return bool((wa - wb - _SMALL_WORDS) and (wb - wa - _SMALL_WORDS))

@@ -1,0 +1,48 @@
+"""The schedule's set-based writes, on PostgreSQL and SQLite alike."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import insert, select
+
+from store import runs, schedule
+from store.db import session_scope
+from store.models import Run, UserState
+from store.types import now
+from worker.settings import Settings
+
+
+def test_a_dream_clears_only_the_changes_it_saw_and_schedules_the_next(store_settings: Settings) -> None:
+    at = now().replace(microsecond=0)
+    with session_scope(store_settings) as session:
+        session.execute(
+            insert(UserState),
+            [
+                {"user_id": "seen", "next_dream_at": at, "dirty_since": at - timedelta(minutes=5)},
+                {"user_id": "changed-meanwhile", "next_dream_at": at, "dirty_since": at + timedelta(seconds=3)},
+            ],
+        )
+    next_at = at + timedelta(hours=24)
+    with session_scope(store_settings) as session:
+        schedule.mark_dreamed_many(session, ["seen", "changed-meanwhile", "new"], at, next_at)
+    with session_scope(store_settings) as session:
+        states = {s.user_id: s for s in session.scalars(select(UserState))}
+        got = {u: (s.last_dream_at, s.next_dream_at, s.dirty_since) for u, s in states.items()}
+    assert got == {
+        "seen": (at, next_at, None),
+        "changed-meanwhile": (at, next_at, at + timedelta(seconds=3)),
+        "new": (at, next_at, None),
+    }
+
+
+def test_runs_started_together_get_one_running_row_each(store_settings: Settings) -> None:
+    users = [f"r{i}" for i in range(5)]
+    with session_scope(store_settings) as session:
+        ids = runs.start_runs(session, users, trigger="cron")
+    with session_scope(store_settings) as session:
+        found = {r.id: r for r in session.scalars(select(Run))}
+    assert sorted(ids) == users and set(ids.values()) == set(found)
+    for user, run_id in ids.items():
+        run = found[run_id]
+        assert (run.user_id, run.status, run.trigger, run.scope) == (user, "running", "cron", "user")
