@@ -216,44 +216,20 @@ def claim_signals(
         return claimed
     at = _clock(session)
     token = str(uuid.uuid4())
-    candidates = select(Signal.id).where(_claimable(at)).limit(limit)
-    if signal_id is not None and also_kinds:
-        wanted = Signal.id == signal_id
-        # A signal whose lease expired was in flight when its worker died, and may be
-        # what killed it: it is claimed only by its own wake-up, and then alone. Batched
-        # with others, one crash would cost every signal of the batch an attempt each
-        # time, until all of them were dead.
-        suspect = aliased(Signal)
-        wanted_is_suspect = exists().where(
-            suspect.id == signal_id, suspect.status == "processing", suspect.claimed_until < at
-        )
-        fill = and_(
-            Signal.kind.in_(also_kinds),
-            Signal.status.in_(READY_STATUSES),
-            Signal.available_at <= at,
-            ~wanted_is_suspect,
-        )
-        candidates = candidates.where(or_(wanted, fill)).order_by(wanted.desc(), Signal.id)
-    elif signal_id is not None:
-        candidates = candidates.where(Signal.id == signal_id)
+    postgres = session.get_bind().dialect.name == "postgresql"
+    if signal_id is not None and also_kinds and after_id is None:
+        ready_ids: Any = _own_and_fill(at, signal_id, also_kinds, limit, max_attempts=max_attempts, lock=postgres)
     else:
-        candidates = candidates.order_by(Signal.id)
-    if after_id is not None:
-        candidates = candidates.where(Signal.id > after_id)
-    if max_attempts is not None:
-        candidates = candidates.where(Signal.attempts < max_attempts)
-    if session.get_bind().dialect.name == "postgresql":
-        candidates = candidates.with_for_update(skip_locked=True)
-    # A CTE, not a subquery: a subquery on the same table would be correlated with the
-    # UPDATE's rows and its LIMIT and SKIP LOCKED would apply per row.
-    ready = candidates.cte("ready")
+        ready_ids = _in_id_order(
+            at, limit, signal_id=signal_id, after_id=after_id, max_attempts=max_attempts, lock=postgres
+        )
     returned: list[Any] = [Signal.id, Signal.kind, Signal.user_id, Signal.agent_id, Signal.attempts, Signal.enqueued_at]
     if with_payload:
         returned.append(cast(Signal.payload, Text).label("payload_text"))
     statement = (
         update(Signal)
         # Re-checked on the locked row: another worker may have claimed it meanwhile.
-        .where(Signal.id.in_(select(ready.c.id)), _claimable(at))
+        .where(Signal.id.in_(ready_ids), _claimable(at))
         .values(
             status="processing",
             attempts=Signal.attempts + 1,
@@ -282,6 +258,66 @@ def claim_signals(
         for r in rows
     ]
     return sorted(claimed, key=lambda c: c.signal_id)
+
+
+def _in_id_order(
+    at: Any, limit: int, *, signal_id: int | None, after_id: int | None, max_attempts: int | None, lock: bool
+) -> Any:
+    """The ids of up to ``limit`` claimable signals in id order (only ``signal_id``, if given)."""
+    candidates = select(Signal.id).where(_claimable(at)).limit(limit)
+    candidates = candidates.where(Signal.id == signal_id) if signal_id is not None else candidates.order_by(Signal.id)
+    if after_id is not None:
+        candidates = candidates.where(Signal.id > after_id)
+    if max_attempts is not None:
+        candidates = candidates.where(Signal.attempts < max_attempts)
+    if lock:
+        candidates = candidates.with_for_update(skip_locked=True)
+    # A CTE, not a subquery: a subquery on the same table would be correlated with the
+    # UPDATE's rows and its LIMIT and SKIP LOCKED would apply per row.
+    ready = candidates.cte("ready")
+    return select(ready.c.id)
+
+
+def _own_and_fill(
+    at: Any, signal_id: int, kinds: Sequence[str], limit: int, *, max_attempts: int | None, lock: bool
+) -> Any:
+    """The ids a wake-up claims: its own signal if it is claimable, and up to ``limit - 1``
+    ready signals of ``kinds``, those available longest first.
+
+    Two lookups, each reading about the rows it returns whatever the backlog: the own
+    signal by its key, the rest in order of the ready signals' partial index on
+    ``available_at`` (a single ordering over all candidates, own first, would read and
+    sort every ready signal on each wake-up).
+    """
+    own = select(Signal.id).where(Signal.id == signal_id, _claimable(at))
+    # A signal whose lease expired was in flight when its worker died, and may be what
+    # killed it: it is claimed only by its own wake-up, and then alone. Batched with
+    # others, one crash would cost every signal of the batch an attempt each time,
+    # until all of them were dead.
+    suspect = aliased(Signal)
+    own_is_suspect = exists().where(suspect.id == signal_id, suspect.status == "processing", suspect.claimed_until < at)
+    fill = (
+        select(Signal.id)
+        .where(
+            Signal.status.in_(READY_STATUSES),
+            Signal.available_at <= at,
+            Signal.kind.in_(kinds),
+            Signal.id != signal_id,
+            ~own_is_suspect,
+        )
+        .order_by(Signal.available_at)
+        .limit(max(limit - 1, 0))
+    )
+    if max_attempts is not None:
+        own = own.where(Signal.attempts < max_attempts)
+        fill = fill.where(Signal.attempts < max_attempts)
+    if lock:
+        own = own.with_for_update(skip_locked=True)
+        fill = fill.with_for_update(skip_locked=True)
+    # CTEs, not subqueries: a subquery on the same table would be correlated with the
+    # UPDATE's rows, and its LIMIT and SKIP LOCKED would apply per row.
+    own_ids, fill_ids = own.cte("own"), fill.cte("fill")
+    return union_all(select(own_ids.c.id), select(fill_ids.c.id))
 
 
 def _claim_and_bury(session: Session, claim: Any, bury: Any, buried_rows: list[tuple[int, str]]) -> list[Any]:
