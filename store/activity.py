@@ -6,17 +6,16 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, exists, insert, select, text
+from sqlalchemy import delete, exists, select, text
 from sqlalchemy.orm import Session
 
+from store.bulk import insert_rows
 from store.models import ActivityEvent
 
 
 def add_events(session: Session, rows: list[dict[str, Any]]) -> int:
     """Insert events (``user_id``, ``agent_id``, ``action``, ``at``, ``attributes``, ``signal_id``)."""
-    if rows:
-        session.execute(insert(ActivityEvent), rows)
-    return len(rows)
+    return insert_rows(session, ActivityEvent, rows)
 
 
 def events_since(session: Session, since: datetime) -> Iterator[tuple[str, str, str, datetime, int]]:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, Text, and_, case, cast, delete, false, func, insert, or_, select, text
+from sqlalchemy import ColumnElement, Table, Text, and_, case, cast, delete, false, func, or_, select, text
 from sqlalchemy.orm import Session
 
+from store.bulk import insert_rows
 from store.models import EntryState, Profile
 
 #: ``agent_id`` of the agent-less profile (global entries only).
@@ -159,34 +160,7 @@ def replace_profiles(session: Session, user_ids: Collection[str], rows: Iterable
         return 0
     session.execute(delete(Profile).where(Profile.user_id.in_(users)))
     fresh = list(rows)
-    if not fresh:
-        return 0
-    columns = list(fresh[0])
-    if session.get_bind().dialect.name == "postgresql" and all(list(r) == columns for r in fresh):
-        _copy(session, columns, fresh)
-    else:
-        session.execute(insert(Profile), fresh)
-    return len(fresh)
-
-
-def _copy(session: Session, columns: list[str], rows: list[dict[str, Any]]) -> None:
-    # COPY in the session's own transaction: a sweep writes thousands of profiles, and
-    # an executemany spends most of its time binding each row's parameters.
-    from psycopg.types.json import Jsonb
-
-    known = {c.name for c in Profile.__table__.columns}
-    if not set(columns) <= known:
-        raise ValueError(f"not columns of dream_profiles: {sorted(set(columns) - known)}")
-    layout = columns.index("layout") if "layout" in columns else -1
-    raw = session.connection().connection.driver_connection
-    assert raw is not None
-    statement = f"COPY dream_profiles ({', '.join(columns)}) FROM STDIN"  # names checked above
-    with raw.cursor() as cursor, cursor.copy(statement) as copy:
-        for row in rows:
-            values = [row[c] for c in columns]
-            if layout >= 0:
-                values[layout] = Jsonb(values[layout])
-            copy.write_row(values)
+    return insert_rows(session, Profile, fresh)
 
 
 def texts(session: Session, user_ids: Collection[str]) -> dict[tuple[str, str], str]:
