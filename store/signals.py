@@ -217,6 +217,19 @@ def claim_signals(
     at = _clock(session)
     token = str(uuid.uuid4())
     postgres = session.get_bind().dialect.name == "postgresql"
+    wakeup = bury_own and with_payload and signal_id is not None and max_attempts is not None and after_id is None
+    if postgres and wakeup and also_kinds and PREBUILT_WAKEUP_CLAIM:
+        assert signal_id is not None and max_attempts is not None
+        return _pg_wakeup_claim(
+            session,
+            signal_id=signal_id,
+            kinds=also_kinds,
+            limit=limit,
+            max_attempts=max_attempts,
+            lease_seconds=lease_seconds,
+            token=token,
+            buried_rows=buried_rows,
+        )
     if signal_id is not None and also_kinds and after_id is None:
         ready_ids: Any = _own_and_fill(at, signal_id, also_kinds, limit, max_attempts=max_attempts, lock=postgres)
     else:
@@ -243,6 +256,10 @@ def claim_signals(
         rows = _claim_and_bury(session, statement, _bury_statement(at, max_attempts, signal_id), buried_rows)
     else:
         rows = list(session.execute(statement).all())
+    return _claims(rows, token, with_payload=with_payload)
+
+
+def _claims(rows: Sequence[Any], token: str, *, with_payload: bool) -> list[Claimed]:
     claimed = [
         Claimed(
             r.id,
@@ -258,6 +275,86 @@ def claim_signals(
         for r in rows
     ]
     return sorted(claimed, key=lambda c: c.signal_id)
+
+
+#: Whether a wake-up's claim on PostgreSQL runs the statement written out below (False:
+#: the one built from the same parts as every other claim; the tests compare the two).
+PREBUILT_WAKEUP_CLAIM = True
+BURIED_ERROR = "lease expired after the last attempt (the worker stopped while processing)"
+
+# What :func:`claim_signals` builds for a wake-up (``_own_and_fill`` and ``_claim_and_bury``),
+# written out: building and compiling that statement cost a wake-up several times what
+# running it does. ``tests/test_signal_claims.py`` holds the two to the same result.
+_PG_WAKEUP_CLAIM = text(
+    """
+WITH clock AS (SELECT timezone('utc', statement_timestamp()) AS at),
+own AS (
+    SELECT s.id FROM dream_signals s, clock
+    WHERE s.id = :signal_id AND s.attempts < :max_attempts
+      AND ((s.status IN ('pending', 'failed') AND s.available_at <= clock.at)
+           OR (s.status = 'processing' AND s.claimed_until < clock.at))
+    FOR UPDATE OF s SKIP LOCKED
+),
+fill AS (
+    SELECT s.id FROM dream_signals s, clock
+    WHERE s.status IN ('pending', 'failed') AND s.available_at <= clock.at
+      AND s.kind = ANY(CAST(:kinds AS varchar[])) AND s.id <> :signal_id AND s.attempts < :max_attempts
+      AND NOT EXISTS (
+          SELECT 1 FROM dream_signals suspect
+          WHERE suspect.id = :signal_id AND suspect.status = 'processing' AND suspect.claimed_until < clock.at
+      )
+    ORDER BY s.available_at
+    LIMIT :fill
+    FOR UPDATE OF s SKIP LOCKED
+),
+claimed AS (
+    UPDATE dream_signals s
+    SET status = 'processing', attempts = s.attempts + 1, claim_token = :token,
+        claimed_until = clock.at + make_interval(secs => :lease)
+    FROM clock
+    WHERE s.id IN (SELECT id FROM own UNION ALL SELECT id FROM fill)
+      AND ((s.status IN ('pending', 'failed') AND s.available_at <= clock.at)
+           OR (s.status = 'processing' AND s.claimed_until < clock.at))
+    RETURNING s.id, s.kind, s.user_id, s.agent_id, s.attempts, s.enqueued_at, CAST(s.payload AS text) AS payload_text
+),
+buried AS (
+    UPDATE dream_signals s
+    SET status = 'dead', claim_token = NULL, claimed_until = NULL, last_error = :buried_error
+    FROM clock
+    WHERE s.id = :signal_id AND s.status = 'processing' AND s.claimed_until < clock.at
+      AND s.attempts >= :max_attempts
+    RETURNING s.id, s.kind
+)
+SELECT false AS buried, id, kind, user_id, agent_id, attempts, enqueued_at, payload_text FROM claimed
+UNION ALL
+SELECT true, id, kind, NULL, NULL, NULL, NULL, NULL FROM buried
+"""
+)
+
+
+def _pg_wakeup_claim(
+    session: Session,
+    *,
+    signal_id: int,
+    kinds: Sequence[str],
+    limit: int,
+    max_attempts: int,
+    lease_seconds: int,
+    token: str,
+    buried_rows: list[tuple[int, str]],
+) -> list[Claimed]:
+    params = {
+        "signal_id": signal_id,
+        "kinds": list(kinds),
+        "fill": max(limit - 1, 0),
+        "max_attempts": max_attempts,
+        "token": token,
+        "lease": lease_seconds,
+        "buried_error": BURIED_ERROR,
+    }
+    rows = session.execute(_PG_WAKEUP_CLAIM, params).all()
+    buried_rows.extend((r.id, r.kind) for r in rows if r.buried)
+    return _claims([r for r in rows if not r.buried], token, with_payload=True)
 
 
 def _in_id_order(
@@ -354,7 +451,7 @@ def _bury_statement(at: Any, max_attempts: int, signal_id: int | None) -> Any:
             status="dead",
             claim_token=None,
             claimed_until=None,
-            last_error="lease expired after the last attempt (the worker stopped while processing)",
+            last_error=BURIED_ERROR,
         )
         .returning(Signal.id, Signal.kind)
         .execution_options(synchronize_session=False)
