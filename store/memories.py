@@ -537,7 +537,7 @@ def user_keys(session: Session, table: Table, user_ids: Sequence[str]) -> list[t
         .distinct()
         .where(table.c.user_id.in_(sorted(user_ids)), ~table.c.key.startswith("_gdpr_", autoescape=True))
     )
-    return [(row.user_id, row.key) for row in session.execute(stmt)]
+    return [(row.user_id, row.key) for row in session.execute(stmt).all()]  # fetchall, not a fetch per row
 
 
 def contradiction_candidates(

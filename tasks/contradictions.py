@@ -206,7 +206,8 @@ def _same_keys(matcher: KeyMatcher, keys: list[tuple[str, str]]) -> dict[tuple[s
         for key, representative in matcher.groups(user_keys_).items():
             members[representative].append(key)
         for representative, group in members.items():
-            if len({loose_key(key) for key in group}) > 1:
+            # Most keys mean only themselves: a group of one needs no label.
+            if len(group) > 1 and len({loose_key(key) for key in group}) > 1:
                 labels.update({(user_id, key): representative for key in group})
     return labels
 
