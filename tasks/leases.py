@@ -51,9 +51,9 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> LeaseKeeper:
-        # The leases were just taken: a first renewal that fails (the database away for
-        # a moment) must not stop the run before it can close its ledger rows.
-        self._renew_logged()
+        # The leases were just taken, each until ``until``: the first renewal is due a
+        # quarter of the lease later. (Every write re-takes its lease anyway, so a run
+        # that stalled before its first renewal writes nothing for a user it lost.)
         self._thread = threading.Thread(target=self._beat, name="dream-lease-heartbeat", daemon=True)
         self._thread.start()
         return self
