@@ -210,7 +210,8 @@ def _remove_pg(
         .returning(Event.entry_id, Event.user_id, Event.key)
     ).add_cte(archived)
     rows = session.execute(events).all()
-    return [Removed(r.entry_id, r.user_id, r.key) for r in rows]
+    # Rows are tuples: unpacked by position, not by name (a name is a lookup per row).
+    return [Removed(entry_id, user_id, key) for entry_id, user_id, key in rows]
 
 
 def _remove_portable(
@@ -537,7 +538,8 @@ def user_keys(session: Session, table: Table, user_ids: Sequence[str]) -> list[t
         .distinct()
         .where(table.c.user_id.in_(sorted(user_ids)), ~table.c.key.startswith("_gdpr_", autoescape=True))
     )
-    return [(row.user_id, row.key) for row in session.execute(stmt).all()]  # fetchall, not a fetch per row
+    # Fetched at once, and kept as the tuples they are (a fetch and a name lookup per row cost more).
+    return [(user_id, key) for user_id, key in session.execute(stmt).all()]
 
 
 def contradiction_candidates(
