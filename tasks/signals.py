@@ -155,8 +155,8 @@ def process_signal(settings: Settings, signal_id: int) -> str:
     """Claim and process one signal by id; its outcome, or ``skipped`` if it was not
     claimable (already finished, held by another worker, or gone).
 
-    The same claim takes up to ``WAKEUP_BATCH - 1`` other due signals (oldest first,
-    of :func:`batch_kinds`), which are processed with it and their effects committed
+    The same claim takes up to ``WAKEUP_BATCH - 1`` other due signals of
+    :func:`batch_kinds` (those available longest first), processed with it and committed
     together: under a backlog one wake-up does the work of many, and the wake-ups of
     signals already done cost one claim that finds nothing. The price: a worker killed
     mid-batch leaves every signal of the batch to its lease (each has used an
