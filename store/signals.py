@@ -525,6 +525,30 @@ def finish_signals(session: Session, claims: Sequence[tuple[int, str]], *, statu
     """:func:`finish_signal` for many (id, claim token) pairs in one statement, ``done``
     or ``rejected``; returns the ids whose claim still held, and the time recorded."""
     assert status in ("done", "rejected")
+    if session.get_bind().dialect.name == "postgresql":
+        ids, tokens = [claim[0] for claim in claims], [claim[1] for claim in claims]
+        rows = session.execute(_PG_FINISH, {"status": status, "ids": ids, "tokens": tokens}).all()
+    else:
+        rows = _finish_portable(session, claims, status)
+    # Every row of one statement has the same time; with none, nothing was recorded.
+    return {row.id for row in rows}, rows[0].processed_at if rows else db_now(session)
+
+
+# finish_signals on PostgreSQL: the pairs as two arrays (one bound value each, where
+# the portable statement binds two per signal and is built and compiled per batch).
+_PG_FINISH = text(
+    """
+UPDATE dream_signals s
+SET status = :status, last_error = NULL, claim_token = NULL, claimed_until = NULL,
+    processed_at = timezone('utc', statement_timestamp())
+FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS varchar[])) AS claim(id, token)
+WHERE s.id = claim.id AND s.claim_token = claim.token AND s.status = 'processing'
+RETURNING s.id, s.processed_at
+"""
+)
+
+
+def _finish_portable(session: Session, claims: Sequence[tuple[int, str]], status: str) -> list[Any]:
     statement = (
         update(Signal)
         .where(
@@ -535,9 +559,7 @@ def finish_signals(session: Session, claims: Sequence[tuple[int, str]], *, statu
         .returning(Signal.id, Signal.processed_at)
         .execution_options(synchronize_session=False)
     )
-    rows = session.execute(statement).all()
-    # Every row of one statement has the same time; with none, nothing was recorded.
-    return {row.id for row in rows}, rows[0].processed_at if rows else db_now(session)
+    return list(session.execute(statement).all())
 
 
 def pending_counts(session: Session) -> dict[str, int]:

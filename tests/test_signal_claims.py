@@ -5,6 +5,7 @@ over signals in every state a claim can meet."""
 from __future__ import annotations
 
 import random
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -116,3 +117,29 @@ def test_the_scenarios_meet_every_outcome(pg_settings: Settings) -> None:
         seen["buried"] |= bool(result["buried"])
         seen["nothing"] |= not ids
     assert all(seen.values()), seen
+
+
+def test_a_batch_is_finished_only_where_its_claims_still_hold(store_settings: Settings) -> None:
+    with session_scope(store_settings) as session:
+        for n in range(4):
+            session.execute(
+                text("INSERT INTO dream_signals (kind, user_id, payload) VALUES ('activity', :user, '{}')"),
+                {"user": f"u{n}"},
+            )
+    with session_scope(store_settings) as session:
+        claimed = signal_store.claim_signals(session, lease_seconds=300, limit=4)
+    assert len(claimed) == 4
+    pairs = [(c.signal_id, c.claim_token) for c in claimed]
+    pairs[1] = (pairs[1][0], "another worker's token")  # taken over since
+    with session_scope(store_settings) as session:
+        session.execute(text("UPDATE dream_signals SET status = 'pending' WHERE id = :id"), {"id": pairs[2][0]})
+    with session_scope(store_settings) as session:
+        held, at = signal_store.finish_signals(session, pairs, status="done")
+    assert held == {pairs[0][0], pairs[3][0]}
+    with session_scope(store_settings) as session:
+        rows = session.execute(
+            text("SELECT id, status, claim_token IS NULL, processed_at FROM dream_signals ORDER BY id")
+        ).all()
+    assert [(r[1], r[2]) for r in rows] == [("done", True), ("processing", False), ("pending", False), ("done", True)]
+    # One time for the batch, the one returned (SQLite's raw rows hold it as text).
+    assert {datetime.fromisoformat(str(rows[i][3])) for i in (0, 3)} == {at}
