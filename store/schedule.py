@@ -22,22 +22,34 @@ from store.types import db_now
 from worker.settings import Settings
 
 
-def _upsert(session: Session, values: dict[str, Any], set_: dict[str, Any], where: Any = None) -> None:
-    # Both dialects spell ON CONFLICT the same way; only the construct differs.
+def _upsert(
+    session: Session, values: dict[str, Any] | list[dict[str, Any]], set_: dict[str, Any], where: Any = None
+) -> None:
+    # Both dialects spell ON CONFLICT the same way; only the construct differs. Many rows
+    # are one statement, and take their locks in the order given.
     if session.get_bind().dialect.name == "postgresql":
-        pg = pg_insert(UserState).values(**values)
+        pg = pg_insert(UserState).values(values)
         session.execute(pg.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_, where=where))
     else:
-        lite = sqlite_insert(UserState).values(**values)
+        lite = sqlite_insert(UserState).values(values)
         session.execute(lite.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_, where=where))
 
 
 def mark_dirty(session: Session, user_id: str, at: datetime | None = None) -> None:
     """Note that ``user_id`` changed; keeps the earliest ``dirty_since`` already set."""
+    mark_dirty_many(session, [user_id], at)
+
+
+def mark_dirty_many(session: Session, user_ids: Sequence[str], at: datetime | None = None) -> None:
+    """:func:`mark_dirty` for many users: one statement, rows locked in user id order
+    (so two batches never wait on each other in a cycle)."""
+    users = sorted(set(user_ids))
+    if not users:
+        return
     when = at or db_now(session)
     _upsert(
         session,
-        {"user_id": user_id, "dirty_since": when, "next_dream_at": when},
+        [{"user_id": user_id, "dirty_since": when, "next_dream_at": when} for user_id in users],
         {"dirty_since": when},
         where=UserState.dirty_since.is_(None),
     )

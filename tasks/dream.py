@@ -553,9 +553,9 @@ class _Chunk:
                     _close_lost(session, self.keeper, outcome, costs.get(outcome.run_id or 0, 0))
             next_at = db_now(session) + timedelta(hours=self.settings.dream_interval_hours)
             schedule.mark_dreamed_many(session, sorted(held), self.at, next_at)
-            for user_id in sorted(({o.user_id for o in outcomes if o.groups_deferred} | set(self.carried)) & held):
-                # Work left over (budget, time, transient errors) is carried to the next pass.
-                schedule.mark_dirty(session, user_id)
+            # Work left over (budget, time, transient errors) is carried to the next pass.
+            left_over = ({o.user_id for o in outcomes if o.groups_deferred} | set(self.carried)) & held
+            schedule.mark_dirty_many(session, sorted(left_over))
             locks.release_many(session, sorted(held), self.keeper.token)
 
         # Retried on a lost connection: the runs must not stay "running", nor the

@@ -369,10 +369,8 @@ def _apply_together(settings: Settings, ready: list[_Ready]) -> bool:
                 assert apply_many is not None
                 batch = [(item.signal, item.prepared) for item in items]
                 effects.extend(zip(items, apply_many(session, settings, batch), strict=True))
-            dirty = {item.signal.user_id for item, effect in effects if effect.wrote}
-            # One order for every batch, so two batches never wait on each other in a cycle.
-            for user_id in sorted(dirty):
-                schedule.mark_dirty(session, user_id)
+            # One statement; its rows are locked in one order for every batch.
+            schedule.mark_dirty_many(session, [item.signal.user_id for item, effect in effects if effect.wrote])
     except (DatabaseUnavailable, SchemaMissing):
         raise
     except Exception as exc:

@@ -46,3 +46,26 @@ def test_runs_started_together_get_one_running_row_each(store_settings: Settings
     for user, run_id in ids.items():
         run = found[run_id]
         assert (run.user_id, run.status, run.trigger, run.scope) == (user, "running", "cron", "user")
+
+
+def test_marking_many_users_dirty_keeps_each_ones_earliest_change(store_settings: Settings) -> None:
+    at = now().replace(microsecond=0)
+    earlier = at - timedelta(hours=2)
+    with session_scope(store_settings) as session:
+        session.execute(
+            insert(UserState),
+            [
+                {"user_id": "dirty", "next_dream_at": at + timedelta(hours=5), "dirty_since": earlier},
+                {"user_id": "clean", "next_dream_at": at + timedelta(hours=5), "dirty_since": None},
+            ],
+        )
+    with session_scope(store_settings) as session:
+        schedule.mark_dirty_many(session, ["new", "clean", "dirty", "new"], at)
+        schedule.mark_dirty_many(session, [], at)
+    with session_scope(store_settings) as session:
+        states = {s.user_id: (s.dirty_since, s.next_dream_at) for s in session.scalars(select(UserState))}
+    assert states == {
+        "dirty": (earlier, at + timedelta(hours=5)),
+        "clean": (at, at + timedelta(hours=5)),
+        "new": (at, at),
+    }
