@@ -85,14 +85,17 @@ def _claim(settings: Settings, signal_id: int, kinds: tuple[str, ...], limit: in
     }
 
 
+def _wake_up(seed: int) -> tuple[int, tuple[str, ...], int]:
+    """A wake-up of scenario ``seed``: its own signal, the kinds it fills with, its limit."""
+    rng = random.Random(1000 + seed)
+    return rng.randint(1, 40), tuple(rng.sample(KINDS, rng.randint(1, 3))), rng.choice([1, 2, 5, 20])
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_written_out_claim_does_what_the_built_one_does(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
-    rng = random.Random(1000 + seed)
-    own = rng.randint(1, 40)
-    kinds = tuple(rng.sample(KINDS, rng.randint(1, 3)))
-    limit = rng.choice([1, 2, 5, 20])
+    own, kinds, limit = _wake_up(seed)
     _seed(pg_settings, seed)
     written = _claim(pg_settings, own, kinds, limit)
     monkeypatch.setattr(signal_store, "PREBUILT_WAKEUP_CLAIM", False)
@@ -105,10 +108,7 @@ def test_the_scenarios_meet_every_outcome(pg_settings: Settings) -> None:
     # The comparison above is worth something only if its claims take, fill and bury.
     seen = {"own": False, "fill": False, "buried": False, "nothing": False}
     for seed in range(12):
-        rng = random.Random(1000 + seed)
-        own = rng.randint(1, 40)
-        kinds = tuple(rng.sample(KINDS, rng.randint(1, 3)))
-        limit = rng.choice([1, 2, 5, 20])
+        own, kinds, limit = _wake_up(seed)
         _seed(pg_settings, seed)
         result = _claim(pg_settings, own, kinds, limit)
         ids = [c[0] for c in result["claimed"]]
