@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-from tests.conftest import PG_ADMIN_URL
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_bench_smoke import quick_bench
 
 
 def test_quality_benchmark_quick_mode_measures_both_ways(pg_settings: object) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "Q1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={
-            "REVERIE_BENCH_PG_ADMIN_URL": PG_ADMIN_URL,
-            "PATH": "/usr/bin:/bin",
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        },
-    )
+    done = quick_bench("Q1", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {
         cells[1]: cells

@@ -11,13 +11,14 @@ from tests.conftest import PG_ADMIN_URL
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_sweep_benchmark_quick_mode_runs_four_ways_that_do_the_same_work(pg_settings: object) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "P1"],
+def quick_bench(measure: str, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m bench --quick MEASURE`` as a process of its own, on the test server."""
+    return subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", measure],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
         check=False,
         env={
             "REVERIE_BENCH_PG_ADMIN_URL": PG_ADMIN_URL,
@@ -25,6 +26,10 @@ def test_sweep_benchmark_quick_mode_runs_four_ways_that_do_the_same_work(pg_sett
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         },
     )
+
+
+def test_sweep_benchmark_quick_mode_runs_four_ways_that_do_the_same_work(pg_settings: object) -> None:
+    done = quick_bench("P1", timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| P1 ")]
     assert any("real path (dispatcher -> Redis -> celery worker" in row for row in rows), done.stdout
@@ -41,19 +46,7 @@ def test_sweep_benchmark_quick_mode_runs_four_ways_that_do_the_same_work(pg_sett
 
 
 def test_profile_benchmark_quick_mode_reads_and_sweeps_and_rebuilds_nobody_unchanged(pg_settings: object) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "P7"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-        env={
-            "REVERIE_BENCH_PG_ADMIN_URL": PG_ADMIN_URL,
-            "PATH": "/usr/bin:/bin",
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        },
-    )
+    done = quick_bench("P7", timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| P7 ")]
     reads = [row for row in rows if "profile read" in row]

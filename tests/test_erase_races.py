@@ -2,7 +2,7 @@
 
 Afterwards nothing of the user remains in the memory table or any ``dream_`` table; a
 signal enqueued before the erasure never brings a memory back, however late it is
-processed; a signal enqueued after it is processed as usual (contract section 4). The
+processed; a signal enqueued after it is processed as usual (docs/reference.md, Signals). The
 interleavings are pinned with events where the order matters (a worker blocked inside
 its model call, a dream run blocked inside summarization); a randomized version runs
 many rounds of workers, erasures and new signals at once.

@@ -1,4 +1,4 @@
-"""The metric families of contract section 6, as a scraper and node-exporter see them."""
+"""The metric families of docs/reference.md (Metrics), as a scraper and node-exporter see them."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Contract section 6: family -> (type, label names).
+#: docs/reference.md, Metrics: family -> (type, label names).
 CONTRACT_FAMILIES: dict[str, tuple[str, frozenset[str]]] = {
     "dream_users_processed": ("counter", frozenset()),
     "dream_entries_pruned": ("counter", frozenset()),

@@ -1,4 +1,4 @@
-"""``reverie migrate``: the contract's memory table, the dream_ tables, idempotence,
+"""``reverie migrate``: the memory table's layout, the dream_ tables, idempotence,
 and an existing EDDI table left exactly as it was."""
 
 from __future__ import annotations
