@@ -13,7 +13,24 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, Text, and_, case, cast, delete, false, func, or_, select, text
+from sqlalchemy import (
+    ColumnElement,
+    String,
+    Table,
+    Text,
+    and_,
+    any_,
+    bindparam,
+    case,
+    cast,
+    delete,
+    false,
+    func,
+    or_,
+    select,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from store.bulk import insert_rows
@@ -33,18 +50,29 @@ class Fingerprint:
 
     @classmethod
     def of(cls, rows: Sequence[Any]) -> Fingerprint:
-        """The fingerprint of rows read from the memory table (one pass over them)."""
-        latest: datetime | None = None
-        recalls = conflicted = content = 0
-        for row in rows:
-            stamp = row.updated_at
-            if stamp is not None and (latest is None or stamp > latest):
-                latest = stamp
-            recalls += int(row.access_count or 0)
-            if row.conflicted:
-                conflicted += 1
-            content += int(row.content_hash or 0)
-        return cls(rows=len(rows), updated_at=latest, recalls=recalls, conflicted=conflicted, content=content)
+        """The fingerprint of rows read by :func:`entries_for_build` (a column at a time)."""
+        if not rows:
+            return cls()
+        columns = list(zip(*rows, strict=True))
+        stamps = [s for s in columns[_UPDATED_AT] if s is not None]
+        return cls(
+            rows=len(rows),
+            updated_at=max(stamps) if stamps else None,
+            recalls=sum(int(r or 0) for r in columns[_ACCESS_COUNT]),
+            conflicted=sum(1 for c in columns[_CONFLICTED] if c),
+            content=sum(int(h or 0) for h in columns[_CONTENT_HASH]),
+        )
+
+
+def among(session: Session, column: Any, values: Sequence[str]) -> ColumnElement[bool]:
+    """``column IN values``; on PostgreSQL as ``= ANY(array)``, one parameter whatever
+    the number of values (the statement's text, and so its parsing, is the same each time)."""
+    condition: ColumnElement[bool]
+    if session.get_bind().dialect.name == "postgresql":
+        condition = column == any_(bindparam(None, list(values), type_=ARRAY(String), expanding=False))
+    else:
+        condition = column.in_(values)
+    return condition
 
 
 def content_hash(session: Session, table: Table) -> ColumnElement[Any]:
@@ -82,7 +110,7 @@ def changed_users(session: Session, table: Table, user_ids: Collection[str]) -> 
                 func.sum(case((table.c.conflicted.is_(True), 1), else_=0)).label("conflicted"),
                 func.sum(content_hash(session, table)).label("content"),
             )
-            .where(table.c.user_id.in_(users))
+            .where(among(session, table.c.user_id, users))
             .group_by(table.c.user_id)
         )
     }
@@ -98,7 +126,7 @@ def changed_users(session: Session, table: Table, user_ids: Collection[str]) -> 
                 Profile.source_recalls,
                 Profile.source_conflicted,
                 Profile.source_content,
-            ).where(Profile.user_id.in_(users), Profile.agent_id == NO_AGENT)
+            ).where(among(session, Profile.user_id, users), Profile.agent_id == NO_AGENT)
         )
     }
     return [u for u in users if (u in current or u in built) and current.get(u, Fingerprint()) != built.get(u)]
@@ -111,12 +139,18 @@ def entries_for_build(
     *,
     stale: ColumnElement[bool],
     last_access_column: str | None,
-) -> list[Any]:
+) -> tuple[list[Any], bool]:
     """Every row of the users, with ``last_recalled_at`` (Reverie's recall look, or the
-    host's last-access column where later) and ``stale`` (pruning would remove it)."""
+    host's last-access column where later), ``stale`` (pruning would remove it), and
+    ``value_json``, the value as JSON text (the builder shows it without a JSON object
+    made of it where it can). Read in the order of ``BUILD_COLUMNS``.
+
+    Returns the rows and whether they come ranked: on PostgreSQL the rows of each user
+    come in the profiles' documented order (see :func:`rank_order`), so the builder does
+    not rank them; elsewhere they come by user and id, and the builder ranks them."""
     users = sorted(set(user_ids))
     if not users:
-        return []
+        return [], False
     recalled: ColumnElement[Any] = EntryState.__table__.c.last_recalled_at
     if last_access_column:
         accessed = table.c[last_access_column]
@@ -125,12 +159,15 @@ def entries_for_build(
             (or_(accessed.is_(None), accessed < EntryState.last_recalled_at), EntryState.last_recalled_at),
             else_=accessed,
         )
+    ranked = session.get_bind().dialect.name == "postgresql"
+    order: list[ColumnElement[Any]] = [table.c.user_id]
+    order += rank_order(table, recalled) if ranked else [table.c.id]
     stmt = (
         select(
             table.c.id,
             table.c.user_id,
             table.c.key,
-            table.c.value,
+            cast(table.c.value, Text).label("value_json"),
             table.c.category,
             table.c.visibility,
             table.c.source_agent_id,
@@ -145,10 +182,54 @@ def entries_for_build(
         .select_from(
             table.outerjoin(EntryState, and_(EntryState.entry_id == table.c.id, EntryState.user_id == table.c.user_id))
         )
-        .where(table.c.user_id.in_(users))
-        .order_by(table.c.user_id, table.c.id)
+        .where(among(session, table.c.user_id, users))
+        .order_by(*order)
     )
-    return list(session.execute(stmt).all())
+    return list(session.execute(stmt).all()), ranked
+
+
+#: The positions of :func:`entries_for_build`'s columns (the builder reads rows by position).
+BUILD_COLUMNS = (
+    "id",
+    "user_id",
+    "key",
+    "value_json",
+    "category",
+    "visibility",
+    "source_agent_id",
+    "conflicted",
+    "access_count",
+    "created_at",
+    "updated_at",
+    "last_recalled_at",
+    "content_hash",
+    "stale",
+)
+_CONFLICTED, _ACCESS_COUNT, _UPDATED_AT, _CONTENT_HASH = (
+    BUILD_COLUMNS.index(name) for name in ("conflicted", "access_count", "updated_at", "content_hash")
+)
+
+#: Category priority in the ranking (lowest first); any other category ranks ``4``.
+CATEGORY_PRIORITY = {"property": 0, "fact": 1, "preference": 2, "context": 3, "legacy": 5}
+OTHER_CATEGORY_PRIORITY = 4
+
+
+def rank_order(table: Table, recalled: ColumnElement[Any]) -> list[ColumnElement[Any]]:
+    """The profiles' ranking as PostgreSQL ``ORDER BY`` terms, most important first:
+    the day of the latest of updated, created and recalled (newest first, none last),
+    recalls, category priority, that exact time, then key and id in code-point order
+    (``COLLATE "C"``: UTF-8 byte order is code-point order, as Python compares text).
+    ``tasks.profiles.rank_key`` is the same order in Python; a test holds them equal."""
+    touched = func.greatest(table.c.updated_at, table.c.created_at, recalled)
+    category = func.lower(func.coalesce(table.c.category, "fact"))
+    return [
+        func.date_trunc("day", touched).desc().nulls_last(),
+        func.coalesce(table.c.access_count, 0).desc(),
+        case(CATEGORY_PRIORITY, value=category, else_=OTHER_CATEGORY_PRIORITY),
+        touched.desc().nulls_last(),
+        table.c.key.collate("C"),
+        table.c.id.collate("C"),
+    ]
 
 
 def replace_profiles(session: Session, user_ids: Collection[str], rows: Iterable[dict[str, Any]]) -> int:

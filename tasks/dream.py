@@ -57,6 +57,17 @@ class RunOutcome:
     # Profiles written for the user by this run (0: their memory had not changed).
     profiles_built: int = 0
 
+    @property
+    def changed_memory(self) -> bool:
+        """Whether the run's own committed work changed the user's rows."""
+        return bool(
+            self.entries_pruned
+            or self.contradictions_found
+            or self.contradictions_resolved
+            or self.entries_summarized
+            or self.entries_written
+        )
+
     def counts(self) -> RunCounts:
         return RunCounts(
             entries_pruned=self.entries_pruned,
@@ -210,7 +221,13 @@ def _rebuild(
     settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook, keeper: LeaseKeeper
 ) -> dict[str, list[int]]:
     with session_scope(settings) as session:
-        read = profiles.plan(session, settings, [u for u in sorted(outcomes) if not keeper.lost(u)], book=policies)
+        read = profiles.plan(
+            session,
+            settings,
+            [u for u in sorted(outcomes) if not keeper.lost(u)],
+            book=policies,
+            changed=[u for u, outcome in outcomes.items() if outcome.changed_memory],
+        )
     if not read.users:
         return {}
     writer = None

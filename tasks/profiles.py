@@ -19,9 +19,10 @@ the profile built here is what is kept when the model's is refused or not writte
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
 from sqlalchemy import ColumnElement, Table
@@ -30,16 +31,13 @@ from sqlalchemy.orm import Session
 from store import entry_state
 from store import profiles as profile_store
 from store.memories import table_for
-from store.profiles import NO_AGENT, Fingerprint
+from store.profiles import CATEGORY_PRIORITY, NO_AGENT, OTHER_CATEGORY_PRIORITY, Fingerprint
 from store.types import db_now
 from worker import llm
 from worker import profile_text as fmt
 from worker.policy import Policy, PolicyBook
 from worker.profile_text import Layout, Line
 from worker.settings import Settings
-
-CATEGORY_PRIORITY = {"property": 0, "fact": 1, "preference": 2, "context": 3, "legacy": 5}
-OTHER_CATEGORY_PRIORITY = 4
 
 Counter = Callable[[str], int]
 
@@ -86,7 +84,6 @@ def visible_to(rows: Sequence[Any], agent_id: str) -> list[Any]:
 class Entry(NamedTuple):
     """A row as a profile shows it: formatted and placed once, for all its profiles."""
 
-    rank: tuple[Any, ...]
     section: int
     text: str
     shared: bool
@@ -94,25 +91,55 @@ class Entry(NamedTuple):
 
 
 def ranked_entries(rows: Sequence[Any]) -> list[Entry]:
-    """The rows' lines, in the documented order (each row formatted once)."""
-    entries = [
-        Entry(
+    """The lines of rows holding their value (``.value``), in the documented order."""
+    keyed = [
+        (
             rank_key(row),
-            _section(row),
-            fmt.entry_line(row.key, row.value, conflicted=bool(row.conflicted)),
-            row.visibility == "global",
-            row.source_agent_id,
+            _entry(
+                row.key,
+                fmt.value_text(row.value),
+                row.category,
+                row.visibility,
+                row.source_agent_id,
+                conflicted=row.conflicted,
+            ),
         )
         for row in rows
     ]
     # The rank ends with the row's id, so no two ranks are equal: the order is total,
     # and any subset of a ranked list is itself ranked.
-    entries.sort(key=_rank_of)
-    return entries
+    keyed.sort(key=_first)
+    return [entry for _, entry in keyed]
 
 
-def _rank_of(entry: Entry) -> tuple[Any, ...]:
-    return entry.rank
+def read_entries(rows: Sequence[Any], *, ranked: bool) -> list[Entry]:
+    """The lines of rows read by ``store.profiles.entries_for_build`` (their value as
+    JSON text), in the documented order: the database's where it ranked them."""
+    if not ranked:
+        keyed = [(rank_key(row), _read_entry(row)) for row in rows]
+        keyed.sort(key=_first)
+        return [entry for _, entry in keyed]
+    return [_read_entry(row) for row in rows]
+
+
+def _read_entry(row: Any) -> Entry:
+    _, _, key, value_json, category, visibility, owner, conflicted, *_ = row
+    return _entry(key, fmt.json_value_text(value_json), category, visibility, owner, conflicted=conflicted)
+
+
+def _entry(
+    key: str, shown: str, category: str | None, visibility: str | None, owner: str | None, *, conflicted: Any
+) -> Entry:
+    return Entry(
+        fmt.section_of(category, key),
+        fmt.line_of(key, shown, conflicted=bool(conflicted)),
+        visibility == "global",
+        owner,
+    )
+
+
+_first = itemgetter(0)
+_USER_ID, _STALE = profile_store.BUILD_COLUMNS.index("user_id"), profile_store.BUILD_COLUMNS.index("stale")
 
 
 def visible_entries(ranked: Sequence[Entry], agent_id: str) -> list[Entry]:
@@ -132,8 +159,14 @@ def build(rows: Sequence[Any], budget: int, count: Counter) -> Built:
     return build_ranked(ranked_entries(rows), budget, count, header_tokens(count))
 
 
-def build_ranked(ranked: Sequence[Entry], budget: int, count: Counter, headers: list[int]) -> Built:
-    """:func:`build` of entries already ranked, with the section headers' tokens."""
+def build_ranked(
+    ranked: Sequence[Entry], budget: int, count: Counter, headers: list[int], *, by_lines: bool = False
+) -> Built:
+    """:func:`build` of entries already ranked, with the section headers' tokens.
+
+    ``by_lines``: ``count`` counts a text as the sum of its lines' counts within each of
+    its counting windows (:func:`worker.profile_text.windowed_tokens`), so the text's
+    count is made from its lines' instead of counting it whole again."""
     total = len(ranked)
     lines: list[Line] = []
     running = 0
@@ -146,22 +179,27 @@ def build_ranked(ranked: Sequence[Entry], budget: int, count: Counter, headers: 
         lines.append(Line(entry.section, tokens, entry.text))
     layout = Layout(lines, headers, count(fmt.left_out_line(total)) if total else 0, total)
     kept = fmt.cut(layout, budget)
-    text = fmt.assemble(lines[:kept], total - kept)
-    tokens = count(text)
+    text, tokens = _counted(lines, kept, total, headers, count=count, by_lines=by_lines)
     while tokens > budget and kept > 0:
         # The estimate is an upper bound for tokenizers that split at line starts; for
         # any other, the whole text's own count decides.
         kept -= 1
-        text = fmt.assemble(lines[:kept], total - kept)
-        tokens = count(text)
+        text, tokens = _counted(lines, kept, total, headers, count=count, by_lines=by_lines)
     if tokens > budget:
         text, tokens = "", 0
     stored = Layout(lines[:kept], headers, layout.left_out_tokens, total)
     return Built(text, tokens, budget, kept, total - kept, stored)
 
 
-def _section(row: Any) -> int:
-    return fmt.section_of(row.category, row.key)
+def _counted(
+    lines: Sequence[Line], kept: int, total: int, headers: list[int], *, count: Counter, by_lines: bool
+) -> tuple[str, int]:
+    """The text of the first ``kept`` lines and its tokens."""
+    if not by_lines:
+        text = fmt.assemble(lines[:kept], total - kept)
+        return text, count(text)
+    pieces = fmt.pieces(lines[:kept], total - kept, headers, count)
+    return "".join(text for text, _ in pieces), fmt.windowed_tokens(pieces, count)
 
 
 def _cutoff(policy: Policy, at: datetime) -> datetime | None:
@@ -187,13 +225,15 @@ def budget_for(settings: Settings) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a refresh read: the users whose memory changed, their rows (with ``stale``),
-    the database's time of the read, and the stored text of each of their profiles."""
+    """What a refresh read: the users whose memory changed, their rows (with ``stale``;
+    ``ranked`` if they come in the profiles' order), the database's time of the read,
+    and the stored text of each of their profiles."""
 
     at: datetime
     users: list[str]
     rows: dict[str, list[Any]]
     current: dict[tuple[str, str], str] = field(default_factory=dict)
+    ranked: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,17 +254,26 @@ class Writer(Protocol):
     ) -> Built | None: ...
 
 
-def plan(session: Session, settings: Settings, user_ids: Collection[str], *, book: PolicyBook) -> Plan:
+def plan(
+    session: Session,
+    settings: Settings,
+    user_ids: Collection[str],
+    *,
+    book: PolicyBook,
+    changed: Collection[str] = (),
+) -> Plan:
     """Read what a refresh needs, in the caller's (short) transaction: which users among
     ``user_ids`` changed since their profiles were built (a set-based look: unchanged
-    ones cost nothing more), and their rows in one statement. Staleness is judged on the
-    database's clock, the one every host shares."""
+    ones cost nothing more; ``changed`` names users known to have changed, such as
+    those a run just pruned, which are not looked at), and their rows in one
+    statement. Staleness is judged on the database's clock, the one every host shares."""
     table = table_for(settings)
-    changed = profile_store.changed_users(session, table, user_ids)
+    known = set(changed) & set(user_ids)
+    changed = sorted(known.union(profile_store.changed_users(session, table, set(user_ids) - known)))
     at = db_now(session)
     if not changed:
         return Plan(at, [], {})
-    rows = profile_store.entries_for_build(
+    rows, ranked = profile_store.entries_for_build(
         session,
         table,
         changed,
@@ -233,9 +282,9 @@ def plan(session: Session, settings: Settings, user_ids: Collection[str], *, boo
     )
     by_user: dict[str, list[Any]] = {u: [] for u in changed}
     for row in rows:
-        by_user[row.user_id].append(row)
+        by_user[row[_USER_ID]].append(row)
     current = profile_store.texts(session, changed) if writes_with_model(book) else {}
-    return Plan(at, changed, by_user, current)
+    return Plan(at, changed, by_user, current, ranked)
 
 
 def writes_with_model(book: PolicyBook) -> bool:
@@ -254,20 +303,23 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
     budget = budget_for(settings)
     tokenizer = llm.model_name(settings)
     out: dict[str, list[dict[str, Any]]] = {}
+    # Each row is formatted (and ranked) once for all of the user's profiles (a global
+    # entry is in every one of them), and all the lines are counted before any profile
+    # is built: together, where the tokenizer allows.
+    entries: dict[str, list[Entry]] = {}
+    for user_id in read.users:
+        entries[user_id] = read_entries([r for r in read.rows[user_id] if not r[_STALE]], ranked=read.ranked)
+    count.warm(e.text for mine in entries.values() for e in mine)
     headers = header_tokens(count)
     for user_id in read.users:
-        mine = read.rows[user_id]
         # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
-        print_ = Fingerprint.of(mine)
-        shown = [r for r in mine if not r.stale]
-        agents = sorted({r.source_agent_id for r in shown if r.source_agent_id} - {NO_AGENT})
-        # Each row is formatted and ranked once for all of the user's profiles (a global
-        # entry is in every one of them).
-        ranked = ranked_entries(shown)
+        print_ = Fingerprint.of(read.rows[user_id])
+        ranked = entries[user_id]
+        agents = sorted({e.owner for e in ranked if e.owner} - {NO_AGENT})
         out[user_id] = []
         for agent in [NO_AGENT, *agents]:
             visible = visible_entries(ranked, agent)
-            built = build_ranked(visible, budget, count, headers)
+            built = build_ranked(visible, budget, count, headers, by_lines=count.by_lines)
             writer_name = "deterministic"
             if writer is not None and book.for_agent(agent or None).writes_profiles_with_model:
                 allowed = {e.text: e.section for e in visible}
@@ -302,24 +354,39 @@ def refresh(
     return composed.tokens(read.users)
 
 
-def counter(settings: Settings) -> Counter:
-    """The configured model's token count, with the tokenizer looked up once and each
-    short text (a line, a header: global entries recur in every agent's profile)
-    counted once per refresh."""
-    count_text = llm.text_counter(settings)
-    cache: dict[str, int] = {}
+class TokenCount:
+    """The configured model's token count (a callable), with the tokenizer looked up once
+    and each short text (a line, a header: global entries recur in every agent's
+    profile) counted once per refresh. Where the tokenizer allows (the built-in
+    model's), :meth:`warm` counts many lines in one call, and a text's count is made of
+    its lines' (``by_lines``)."""
 
-    def count(text: str) -> int:
+    def __init__(self, settings: Settings) -> None:
+        self._count = llm.text_counter(settings)
+        self._lines = llm.line_counter(settings)
+        self._cache: dict[str, int] = {}
+        self.by_lines = self._lines is not None
+
+    def __call__(self, text: str) -> int:
         if not text:
             return 0
         if len(text) > fmt.COUNT_WINDOW_CHARS:
-            return count_text(text)
-        known = cache.get(text)
+            return self._count(text)
+        known = self._cache.get(text)
         if known is None:
-            known = cache[text] = count_text(text)
+            known = self._cache[text] = self._count(text)
         return known
 
-    return count
+    def warm(self, texts: Iterable[str]) -> None:
+        """Count ``texts`` now, all in one call where the tokenizer allows."""
+        if self._lines is None:
+            return
+        fresh = [t for t in dict.fromkeys(texts) if t and len(t) <= fmt.COUNT_WINDOW_CHARS and t not in self._cache]
+        self._cache.update(zip(fresh, self._lines(fresh), strict=True))
+
+
+def counter(settings: Settings) -> TokenCount:
+    return TokenCount(settings)
 
 
 def _row(

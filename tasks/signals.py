@@ -53,7 +53,7 @@ log = get_logger(__name__)
 
 CLAIM_BATCH = 20
 #: Signals one wake-up may claim and process together (its own first).
-WAKEUP_BATCH = 20
+WAKEUP_BATCH = 40
 LOST_CLAIM = "the claim was lost (erased, or taken over after the lease expired)"
 MAX_BACKOFF_SECONDS = 6 * 3600
 

@@ -156,6 +156,9 @@ class Tally:
     applied_twice: int
     statuses: str = ""
     most_attempts: int = 0
+    #: Signals claimed more than once: each had an attempt cut short (a killed worker's
+    #: batch waits for its lease and is claimed again).
+    retried: int = 0
 
     def __str__(self) -> str:
         return (
@@ -208,7 +211,8 @@ def tally(db: Db, sent: Sent) -> Tally:
         twice += len(events.get(signal_id, [])) > 0
     by_status = ",".join(f"{k}:{v}" for k, v in sorted(db.statuses(sent.ids).items()))
     most = db.value("SELECT coalesce(max(attempts), 0) FROM dream_signals WHERE id = ANY(%s)", sent.ids)
-    return Tally(len(sent.ids), done, rejected, lost, twice + duplicate_keys, by_status, int(most))
+    retried = db.value("SELECT count(*) FROM dream_signals WHERE id = ANY(%s) AND attempts > 1", sent.ids)
+    return Tally(len(sent.ids), done, rejected, lost, twice + duplicate_keys, by_status, int(most), int(retried))
 
 
 def poll(check: Callable[[], bool], timeout: float) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -114,10 +114,30 @@ def value_text(value: Any) -> str:
     return _plain(json.dumps(value, ensure_ascii=False, separators=(",", ":")), MAX_VALUE_CHARS)
 
 
+def json_value_text(raw: str | None) -> str:
+    """:func:`value_text` of a value given as JSON text (as the database hands it out):
+    a string without escapes is shown without parsing it; text that is not JSON is
+    shown as it is."""
+    if raw is None:
+        return value_text(None)
+    if len(raw) > 1 and raw[0] == raw[-1] == '"' and "\\" not in raw and '"' not in raw[1:-1]:
+        return _plain(raw[1:-1], MAX_VALUE_CHARS)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return _plain(raw, MAX_VALUE_CHARS)
+    return value_text(value)
+
+
 def entry_line(key: str, value: Any, *, conflicted: bool) -> str:
     """``- key: value`` (``(contradicted)`` after a contradicted entry's value)."""
+    return line_of(key, value_text(value), conflicted=conflicted)
+
+
+def line_of(key: str, shown: str, *, conflicted: bool) -> str:
+    """:func:`entry_line` of a value already made its text (:func:`value_text`)."""
     name = _plain(key.replace("_", " "), MAX_KEY_CHARS) or "(no key)"
-    line = f"- {name}: {value_text(value)}".rstrip()
+    line = f"- {name}: {shown}".rstrip()
     if conflicted:
         line += " (contradicted)"
     return line + "\n"
@@ -131,17 +151,78 @@ def left_out_line(count: int) -> str:
     return f"({count} more {'entry' if count == 1 else 'entries'} left out)\n"
 
 
+def _by_section(lines: Sequence[Line]) -> list[list[Line]]:
+    sections: list[list[Line]] = [[] for _ in SECTIONS]
+    for line in lines:
+        sections[line.section].append(line)
+    return sections
+
+
 def assemble(lines: Sequence[Line], left_out: int) -> str:
     """The profile text of these ranked lines: by section, ranked within each."""
     parts: list[str] = []
-    for section in range(len(SECTIONS)):
-        mine = [line.text for line in lines if line.section == section]
+    for section, mine in enumerate(_by_section(lines)):
         if mine:
             parts.append(header_line(section))
-            parts.extend(mine)
+            parts.extend(line.text for line in mine)
     if left_out:
         parts.append(left_out_line(left_out))
     return "".join(parts)
+
+
+def pieces(
+    lines: Sequence[Line], left_out: int, header_tokens: Sequence[int], count: Callable[[str], int]
+) -> list[tuple[str, int]]:
+    """:func:`assemble`'s parts with their tokens (the left-out line counted by ``count``):
+    their texts joined are the profile's text."""
+    parts: list[tuple[str, int]] = []
+    for section, mine in enumerate(_by_section(lines)):
+        if mine:
+            parts.append((header_line(section), header_tokens[section]))
+            parts.extend((line.text, line.tokens) for line in mine)
+    if left_out:
+        last = left_out_line(left_out)
+        parts.append((last, count(last)))
+    return parts
+
+
+def windowed_tokens(
+    parts: Sequence[tuple[str, int]], count: Callable[[str], int], window: int = COUNT_WINDOW_CHARS
+) -> int:
+    """The tokens of the parts' joined text as a counter counting each ``window``
+    characters on its own gives them, from the parts' own counts: a window's count is
+    its whole parts' counts plus the counts of the pieces of parts cut at its edges.
+
+    Exact for a tokenizer whose pre-tokenizer never joins a line's end to what follows
+    (cl100k's: a newline followed by a non-space always ends a piece), each part being
+    whole lines that start with a non-space (every line of a profile)."""
+    ends: list[int] = []
+    chars = 0
+    for text, _ in parts:
+        chars += len(text)
+        ends.append(chars)
+    if chars <= window:
+        return sum(tokens for _, tokens in parts)
+    whole = "".join(text for text, _ in parts)
+    total = 0
+    first = 0  # the first part not ending before the window
+    for start in range(0, chars, window):
+        stop = min(start + window, chars)
+        while ends[first] <= start:
+            first += 1
+        begin = ends[first - 1] if first else 0  # where part ``first`` starts
+        index = first if begin == start else first + 1  # the first part starting in the window
+        head_end = ends[index - 1] if index else 0
+        tokens = 0
+        last = index
+        while last < len(parts) and ends[last] <= stop:
+            tokens += parts[last][1]
+            last += 1
+        if last == index:  # no whole part in the window
+            total += count(whole[start:stop])
+            continue
+        total += count(whole[start:head_end]) + tokens + count(whole[ends[last - 1] : stop])
+    return total
 
 
 def estimate(layout: Layout, kept: int) -> int:
@@ -170,6 +251,8 @@ def cut(layout: Layout, budget: int) -> int:
                 sections.add(line.section)
                 tokens += layout.header_tokens[line.section]
                 chars += len(header_line(line.section))
+        if tokens > budget:
+            break  # every longer prefix holds these tokens and more
         total_tokens, total_chars = tokens, chars
         if kept < layout.total:
             total_tokens += layout.left_out_tokens
