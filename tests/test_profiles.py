@@ -17,6 +17,7 @@ from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from sqlalchemy import delete, select, update
+from sqlalchemy import text as sql_text
 
 from store.db import session_scope
 from store.erase import rows_about
@@ -665,3 +666,96 @@ def test_a_printable_text_holds_no_character_the_line_drops() -> None:
     # The line format skips its per-character filter for printable text: that is exact
     # only if no printable character is of a control (C*) category, on this Python.
     assert not [c for c in range(sys.maxunicode + 1) if chr(c).isprintable() and unicodedata.category(chr(c))[0] == "C"]
+
+
+# -- the fast paths hold to the reference ------------------------------------------------
+
+
+def test_postgresql_ranks_the_rows_exactly_as_the_documented_order(pg_settings: Settings) -> None:
+    # The builder takes PostgreSQL's order as it comes; rank_key is the documented order
+    # in Python. Ties on every term but the last few, unicode and case in keys, updated
+    # and created times out of order, and recalls later than either.
+    import random
+
+    from store import profiles as profile_store
+    from store.models import EntryState
+
+    rng = random.Random(7)
+    noon = datetime(2026, 6, 1, 12, 0, 0)
+    keys = ["alpha", "Alpha", "alpha_2", "Äpfel", "émile", "zeta", "Zeta", "_x", "東京", "a b", "ab"]
+    rows, recalls = [], []
+    for i in range(300):
+        category = rng.choice(["fact", "Preference", "context", "work"])
+        # One agent per row: the same key recurs (ties broken by id) under the unique keys.
+        row = entry("u1", rng.choice(keys), f"v{i}", category=category, visibility="self", agent=f"agent-{i}")
+        updated = noon - timedelta(days=rng.choice([0, 0, 1, 2]), hours=rng.choice([0, 0, 5, 13]))
+        created = updated - timedelta(hours=rng.choice([0, 30])) if rng.random() < 0.8 else updated + timedelta(hours=3)
+        row.update(
+            id=f"{rng.randrange(10**6):06d}-{i}",
+            created_at=created,
+            updated_at=updated,
+            access_count=rng.choice([0, 0, 1, 3]),
+        )
+        rows.append(row)
+        if rng.random() < 0.2:
+            recalls.append(EntryState(entry_id=row["id"], user_id="u1", last_recalled_at=updated + timedelta(hours=20)))
+    table = table_for(pg_settings)
+    with session_scope(pg_settings) as session:
+        # A host whose keys sort by a language's rules (where "alpha" and "Alpha" sit
+        # side by side): the ranking still compares them as Python does.
+        session.execute(sql_text(f'ALTER TABLE {table.name} ALTER COLUMN key TYPE varchar(255) COLLATE "en-x-icu"'))
+    seed(pg_settings, rows)
+    with session_scope(pg_settings) as session:
+        session.add_all(recalls)
+    with session_scope(pg_settings) as session:
+        read, ranked = profile_store.entries_for_build(
+            session, table, ["u1"], stale=table.c.id.is_(None), last_access_column=None
+        )
+    assert ranked and len(read) == 300
+    assert [r.id for r in read] == [r.id for r in sorted(read, key=profiles.rank_key)]
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@hyp_settings(max_examples=300, deadline=None)
+@given(value=_json_values)
+def test_a_value_read_as_json_text_is_shown_as_the_value_itself(value: Any) -> None:
+    from worker.profile_text import json_value_text, value_text
+
+    for raw in (json.dumps(value), json.dumps(value, ensure_ascii=False), json.dumps(value, indent=1)):
+        assert json_value_text(raw) == value_text(value)
+
+
+def test_a_value_that_is_not_json_is_shown_as_its_text() -> None:
+    from worker.profile_text import json_value_text
+
+    assert json_value_text("Lisbon") == "Lisbon"
+    assert json_value_text('"a" "b"') == '"a" "b"'
+    assert json_value_text(None) == "null"
+
+
+@hyp_settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(entries=_entries, budget=st.integers(50, 8000))
+def test_a_profile_counted_from_its_lines_is_the_profile_counted_whole(
+    entries: list[tuple[str, Any, str, int, int, bool]], budget: int
+) -> None:
+    # The built-in tokenizer's path (lines counted in one call, the text's count made
+    # from its lines') builds exactly what counting every text whole builds.
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    fast = profiles.counter(settings)
+    assert fast.by_lines
+
+    def whole(text: str) -> int:
+        return llm.count_text_tokens(settings, text) if text else 0
+
+    ranked = profiles.ranked_entries(_rows(entries))
+    fast.warm(e.text for e in ranked)
+    made = profiles.build_ranked(ranked, budget, fast, profiles.header_tokens(fast), by_lines=True)
+    reference = profiles.build_ranked(ranked, budget, whole, profiles.header_tokens(whole))
+    assert made == reference
+    assert whole(made.text) == made.tokens <= budget

@@ -86,3 +86,35 @@ def test_a_changed_litellm_count_setting_sends_counting_to_litellm(monkeypatch: 
     monkeypatch.setenv("TIKTOKEN_ENCODE_CHUNK_SIZE_CHARS", "512")
     monkeypatch.setattr(llm, "_builtin", [])
     assert llm._builtin_counter() is None
+
+
+_line_texts = st.lists(
+    st.one_of(
+        # A profile's lines: a non-space first, a newline last.
+        st.builds(lambda k, v: f"- {k}: {v}".rstrip() + "\n", st.text(max_size=40), st.text(max_size=120)),
+        st.sampled_from(["## Preferences\n", "(3 more entries left out)\n", "- x: 12345\n", "- y: ...\n"]),
+        # Anything else is counted on its own, and must come out the same.
+        st.text(max_size=60),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_line_texts)
+def test_lines_counted_together_count_as_each_alone(texts: list[str]) -> None:
+    found = llm._builtin_counter()
+    assert found is not None
+    assert found.lines(texts) == [found(t) for t in texts]
+    # ... and as litellm counts each (spot check: one of them).
+    if texts:
+        assert found.lines(texts)[-1] == litellm_count(MODEL, texts[-1])
+
+
+def test_lines_that_would_join_are_counted_alone() -> None:
+    found = llm._builtin_counter()
+    assert found is not None
+    # Texts ending in a space, or starting with one, are tokenized with their
+    # neighbours otherwise than alone: they never share an encoding.
+    texts = ["- a: b \n", " - c\n", "word", "  \n", "- d: e\n"]
+    assert found.lines(texts) == [found(t) for t in texts]
