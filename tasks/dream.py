@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from store import locks, runs, schedule
@@ -199,53 +200,85 @@ def _refresh_profiles(
     last so their rows are locked only for the commit. A failure leaves the old
     profiles, and the next pass tries again (the fingerprint still differs); it does not
     fail the runs, whose memory work is committed."""
-    if not settings.build_profiles:
+    composed = _build_profiles(settings, outcomes, policies, keeper)
+    if composed is None:
         return
+    users = composed.users
+    try:
+        while users:
+            with session_scope(settings) as session:
+                profiles.save(session, composed, users)
+                # Last, so the leases' rows are locked only for the commit.
+                held = keeper.hold_many(session, users)
+                if len(held) == len(users):
+                    break
+                session.rollback()
+            users = [u for u in users if u in held]
+    except (TransientError, DatabaseUnavailable):
+        raise
+    except Exception as exc:
+        log.error("dream.profiles_failed", users=len(users), error_type=type(exc).__name__)
+        return
+    _count_profiles(outcomes, composed, users)
+
+
+def _build_profiles(
+    settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook, keeper: LeaseKeeper
+) -> profiles.Composed | None:
+    """The profiles of the users whose memory changed, read in one short transaction
+    and built outside any (None: profiles are off, nobody changed, or the build failed,
+    which is logged: the next pass tries again)."""
+    if not settings.build_profiles:
+        return None
     started = time.monotonic()
     try:
-        made = _rebuild(settings, outcomes, policies, keeper)
+        with session_scope(settings) as session:
+            read = profiles.plan(
+                session,
+                settings,
+                [u for u in sorted(outcomes) if not keeper.lost(u)],
+                book=policies,
+                changed=[u for u, outcome in outcomes.items() if outcome.changed_memory],
+            )
+        if not read.users:
+            return None
+        writer = None
+        if profiles.writes_with_model(policies):
+            run_ids = {u: o.run_id for u, o in outcomes.items()}
+            writer = ProfileWriter(settings, run_ids, profiles.counter(settings))
+        composed = profiles.compose(settings, read, book=policies, writer=writer)
     except (TransientError, DatabaseUnavailable):
         raise
     except Exception as exc:
         log.error("dream.profiles_failed", users=len(outcomes), error_type=type(exc).__name__)
-        return
+        return None
     metrics.PROFILE_BUILD_DURATION.observe(time.monotonic() - started)
-    for user_id, built in made.items():
+    return composed
+
+
+def _save_profiles(session: Session, composed: profiles.Composed, held: Collection[str]) -> list[str]:
+    """Write the built profiles of the users among ``held`` (whose leases the caller's
+    transaction holds) in a savepoint: a failure leaves their old profiles and the rest
+    of the transaction. The users written."""
+    users = [u for u in composed.users if u in held]
+    try:
+        with session.begin_nested():
+            profiles.save(session, composed, users)
+    except (TransientError, DatabaseUnavailable, OperationalError):
+        raise
+    except Exception as exc:
+        log.error("dream.profiles_failed", users=len(users), error_type=type(exc).__name__)
+        return []
+    return users
+
+
+def _count_profiles(outcomes: dict[str, RunOutcome], composed: profiles.Composed, users: Collection[str]) -> None:
+    """Count the profiles written for ``users`` (once committed)."""
+    for user_id, built in composed.tokens(users).items():
         outcomes[user_id].profiles_built = len(built)
         metrics.PROFILES_BUILT.inc(len(built))
         for tokens in built:
             metrics.PROFILE_TOKENS.observe(tokens)
-
-
-def _rebuild(
-    settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook, keeper: LeaseKeeper
-) -> dict[str, list[int]]:
-    with session_scope(settings) as session:
-        read = profiles.plan(
-            session,
-            settings,
-            [u for u in sorted(outcomes) if not keeper.lost(u)],
-            book=policies,
-            changed=[u for u, outcome in outcomes.items() if outcome.changed_memory],
-        )
-    if not read.users:
-        return {}
-    writer = None
-    if profiles.writes_with_model(policies):
-        run_ids = {u: o.run_id for u, o in outcomes.items()}
-        writer = ProfileWriter(settings, run_ids, profiles.counter(settings))
-    composed = profiles.compose(settings, read, book=policies, writer=writer)
-    users = read.users
-    while users:
-        with session_scope(settings) as session:
-            profiles.save(session, composed, users)
-            # Last, so the leases' rows are locked only for the commit.
-            held = keeper.hold_many(session, users)
-            if len(held) == len(users):
-                break
-            session.rollback()
-        users = [u for u in users if u in held]
-    return composed.tokens(users)
 
 
 def _summarizes(policies: PolicyBook) -> bool:
@@ -427,6 +460,8 @@ class _Chunk:
     outcomes: dict[str, RunOutcome]
     carried: list[str] = field(default_factory=list)
     out_of_time: bool = False
+    #: The profiles built for the chunk's changed users, written when the runs close.
+    composed: profiles.Composed | None = None
 
     def run_ids(self) -> dict[str, int]:
         return {u: o.run_id for u, o in self.outcomes.items() if o.run_id is not None and o.status == "running"}
@@ -524,9 +559,10 @@ class _Chunk:
                     self.carried.append(outcome.user_id)
 
     def refresh_profiles(self) -> None:
-        """The profiles of the chunk's users whose memory changed, in one transaction."""
+        """Build the profiles of the chunk's users whose memory changed; :meth:`finish`
+        writes them, in the transaction that closes the runs and checks the leases."""
         try:
-            _refresh_profiles(self.settings, self.outcomes, self.policies, self.keeper)
+            self.composed = _build_profiles(self.settings, self.outcomes, self.policies, self.keeper)
         except (TransientError, DatabaseUnavailable) as exc:
             # The runs' own work is committed; the profiles are rebuilt on the next pass.
             log.warning("dream.profiles_deferred", users=len(self.outcomes), error_type=type(exc).__name__)
@@ -548,9 +584,13 @@ class _Chunk:
 
         self.keeper.stop()
 
+        saved: list[str] = []
+
         def close(session: Session) -> None:
             # Only users whose lease still holds get anything written (see _close_lost).
             held = set(self.keeper.hold_many(session, sorted(self.outcomes)))
+            if self.composed is not None:
+                saved[:] = _save_profiles(session, self.composed, held)
             costs: dict[int, int] = {}
             for outcome in outcomes:
                 if outcome.run_id is not None and _calls_model(self.settings, self.policies):
@@ -578,6 +618,8 @@ class _Chunk:
         # Retried on a lost connection: the runs must not stay "running", nor the
         # leases held, because one connection died.
         closing_transaction(self.settings, close)
+        if self.composed is not None:
+            _count_profiles(self.outcomes, self.composed, saved)
         for outcome in outcomes:
             # The chunk's wall time, shared out: what one user's run cost.
             metrics.DURATION.observe(elapsed / len(outcomes))

@@ -242,6 +242,10 @@ class Composed:
 
     rows: dict[str, list[dict[str, Any]]]
 
+    @property
+    def users(self) -> list[str]:
+        return sorted(self.rows)
+
     def tokens(self, users: Collection[str]) -> dict[str, list[int]]:
         return {u: [int(r["tokens"]) for r in self.rows[u]] for u in users if u in self.rows}
 

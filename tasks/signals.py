@@ -52,8 +52,6 @@ from worker.settings import Settings
 log = get_logger(__name__)
 
 CLAIM_BATCH = 20
-#: Signals one wake-up may claim and process together (its own first).
-WAKEUP_BATCH = 40
 LOST_CLAIM = "the claim was lost (erased, or taken over after the lease expired)"
 MAX_BACKOFF_SECONDS = 6 * 3600
 
@@ -155,7 +153,7 @@ def process_signal(settings: Settings, signal_id: int) -> str:
     """Claim and process one signal by id; its outcome, or ``skipped`` if it was not
     claimable (already finished, held by another worker, or gone).
 
-    The same claim takes up to ``WAKEUP_BATCH - 1`` other due signals of
+    The same claim takes up to ``signal_wakeup_batch - 1`` other due signals of
     :func:`batch_kinds` (those available longest first), processed with it and committed
     together: under a backlog one wake-up does the work of many, and the wake-ups of
     signals already done cost one claim that finds nothing. The price: a worker killed
@@ -170,7 +168,7 @@ def process_signal(settings: Settings, signal_id: int) -> str:
         claimed = signal_store.claim_signals(
             session,
             lease_seconds=settings.signal_lease_seconds,
-            limit=WAKEUP_BATCH,
+            limit=settings.signal_wakeup_batch,
             signal_id=signal_id,
             also_kinds=batch_kinds(settings),
             max_attempts=settings.signal_max_attempts,

@@ -759,3 +759,27 @@ def test_a_profile_counted_from_its_lines_is_the_profile_counted_whole(
     reference = profiles.build_ranked(ranked, budget, whole, profiles.header_tokens(whole))
     assert made == reference
     assert whole(made.text) == made.tokens <= budget
+
+
+def test_a_profile_write_that_fails_leaves_the_runs_closed_and_the_next_pass_builds(
+    pg_settings: Settings, monkeypatch: Any
+) -> None:
+    # A chunk writes its profiles in the transaction that closes its runs, under a
+    # savepoint: a failed write costs the runs nothing, and the profiles come next pass.
+    seed(pg_settings, _world("u1") + _world("u2"))
+
+    def broken(*args: Any, **kwargs: Any) -> int:
+        raise ValueError("the profile write failed")
+
+    real_save = profiles.save
+    monkeypatch.setattr(profiles, "save", broken)
+    outcomes = dream_users(pg_settings, ["u1", "u2"])
+    assert [(o.status, o.profiles_built) for o in outcomes] == [("succeeded", 0), ("succeeded", 0)]
+    assert _stored(pg_settings, "u1") == {} and _stored(pg_settings, "u2") == {}
+    with session_scope(pg_settings) as session:
+        open_runs = session.execute(sql_text("SELECT count(*) FROM dream_runs WHERE status = 'running'")).scalar()
+        held = "SELECT count(*) FROM dream_user_state WHERE lock_token IS NOT NULL"
+        leases = session.execute(sql_text(held)).scalar()
+    assert open_runs == 0 and leases == 0
+    monkeypatch.setattr(profiles, "save", real_save)
+    assert [o.profiles_built for o in dream_users(pg_settings, ["u1", "u2"])] == [3, 3]

@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     habit_min_days: int = Field(default=5, ge=2)
     signal_max_attempts: int = Field(default=5, ge=1)
     signal_lease_seconds: int = Field(default=300, ge=5)
+    # Signals one wake-up claims and applies together (its own first): more drains a
+    # backlog faster; a worker killed mid-batch leaves that many to their leases.
+    signal_wakeup_batch: int = Field(default=40, ge=1, le=1000)
     signal_backoff_seconds: float = Field(default=30.0, ge=0)
 
     # -- retention, in days (0 keeps forever) -------------------------------------
