@@ -71,6 +71,9 @@ def _service(tmp: Path, settings: Settings, redis_server: RedisServer, **env: st
     # Fewer dreams in the signal tests (a user is due once at first, not again when
     # dirty); a fact a dream merges meanwhile is followed into the archive by tally().
     env.setdefault("REVERIE_DISPATCH_DIRTY_DELAY_SECONDS", "3600")
+    # These tests count deliveries, not spend: the full form's 10,000 signals would pass
+    # the default day cap, and wait for the next UTC day.
+    env.setdefault("REVERIE_MAX_COST_PER_DAY", "1000")
     return Service(tmp, settings.database_url, redis_server.url(), **env)
 
 
