@@ -328,7 +328,7 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float, logs: Path) 
         time.sleep(0.1)
 
 
-def run_real(url: str, users: int) -> float:
+def run_real(url: str, users: int, *, profiles: bool = False) -> float:
     """Time one dispatcher tick's users through Redis and a real worker, claim to last run closed."""
     from schedules import dispatcher
     from worker.app import create_app
@@ -339,7 +339,12 @@ def run_real(url: str, users: int) -> float:
     port = _free_port()
     broker = f"redis://127.0.0.1:{port}/0"
     redis_argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    env = _env(url, REVERIE_BROKER_URL=broker, REVERIE_METRICS_PORT=str(_free_port()), REVERIE_BUILD_PROFILES="false")
+    env = _env(
+        url,
+        REVERIE_BROKER_URL=broker,
+        REVERIE_METRICS_PORT=str(_free_port()),
+        REVERIE_BUILD_PROFILES=str(profiles).lower(),
+    )
     env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp / "metrics")
     (tmp / "metrics").mkdir()
     worker_argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-Q", "dreams", "-c", "2"]

@@ -167,16 +167,17 @@ def build_ranked(
     ``by_lines``: ``count`` counts a text as the sum of its lines' counts within each of
     its counting windows (:func:`worker.profile_text.windowed_tokens`), so the text's
     count is made from its lines' instead of counting it whole again."""
-    total = len(ranked)
-    lines: list[Line] = []
-    running = 0
-    for entry in ranked:
-        # Lines past the point where the entries alone exceed the budget can never fit.
-        if running > budget:
-            break
-        tokens = count(entry.text)
-        running += tokens
-        lines.append(Line(entry.section, tokens, entry.text))
+    return build_lines(lines_of(ranked, count), budget, count, headers, by_lines=by_lines)
+
+
+def lines_of(ranked: Sequence[Entry], count: Counter) -> list[Line]:
+    """The entries' lines with their tokens (in the entries' order)."""
+    return [Line(entry.section, count(entry.text), entry.text) for entry in ranked]
+
+
+def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: list[int], *, by_lines: bool) -> Built:
+    """:func:`build_ranked` of the ranked entries' lines, already counted."""
+    total = len(lines)
     layout = Layout(lines, headers, count(fmt.left_out_line(total)) if total else 0, total)
     kept = fmt.cut(layout, budget)
     text, tokens = _counted(lines, kept, total, headers, count=count, by_lines=by_lines)
@@ -187,7 +188,7 @@ def build_ranked(
         text, tokens = _counted(lines, kept, total, headers, count=count, by_lines=by_lines)
     if tokens > budget:
         text, tokens = "", 0
-    stored = Layout(lines[:kept], headers, layout.left_out_tokens, total)
+    stored = layout if kept == total else Layout(lines[:kept], headers, layout.left_out_tokens, total)
     return Built(text, tokens, budget, kept, total - kept, stored)
 
 
@@ -199,7 +200,7 @@ def _counted(
         text = fmt.assemble(lines[:kept], total - kept)
         return text, count(text)
     pieces = fmt.pieces(lines[:kept], total - kept, headers, count)
-    return "".join(text for text, _ in pieces), fmt.windowed_tokens(pieces, count)
+    return "".join(map(_first, pieces)), fmt.windowed_tokens(pieces, count)
 
 
 def _cutoff(policy: Policy, at: datetime) -> datetime | None:
@@ -319,14 +320,18 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
         # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
         print_ = Fingerprint.of(read.rows[user_id])
         ranked = entries[user_id]
+        lines = lines_of(ranked, count)
         agents = sorted({e.owner for e in ranked if e.owner} - {NO_AGENT})
         out[user_id] = []
         for agent in [NO_AGENT, *agents]:
-            visible = visible_entries(ranked, agent)
-            built = build_ranked(visible, budget, count, headers, by_lines=count.by_lines)
+            if agent == NO_AGENT:
+                visible = [line for line, e in zip(lines, ranked, strict=True) if e.shared]
+            else:
+                visible = [line for line, e in zip(lines, ranked, strict=True) if e.shared or e.owner == agent]
+            built = build_lines(visible, budget, count, headers, by_lines=count.by_lines)
             writer_name = "deterministic"
             if writer is not None and book.for_agent(agent or None).writes_profiles_with_model:
-                allowed = {e.text: e.section for e in visible}
+                allowed = {line.text: line.section for line in visible}
                 written = writer(user_id, agent, built, allowed, read.current.get((user_id, agent)))
                 if written is not None:
                     built, writer_name = written, "model"

@@ -448,7 +448,7 @@ def test_the_leases_are_not_locked_while_profiles_are_built(pg_settings: Setting
 
     seed(pg_settings, _world("u1"))
     verdicts: list[str] = []
-    real_build = profiles.build_ranked
+    real_build = profiles.build_lines
 
     def build_and_look(*args: Any, **kwargs: Any) -> Any:
         url = pg_settings.database_url.replace("+psycopg", "")
@@ -460,7 +460,7 @@ def test_the_leases_are_not_locked_while_profiles_are_built(pg_settings: Setting
                 verdicts.append("locked")
         return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(profiles, "build_ranked", build_and_look)
+    monkeypatch.setattr(profiles, "build_lines", build_and_look)
     assert dream_users(pg_settings, ["u1"])[0].profiles_built == 3
     assert verdicts == ["free", "free", "free"]
 

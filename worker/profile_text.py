@@ -16,7 +16,8 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 SECTIONS = ("About the user", "Preferences", "Work", "Context", "Follow-ups")
 ABOUT, PREFERENCES, WORK, CONTEXT, FOLLOW_UPS = range(len(SECTIONS))
@@ -37,13 +38,15 @@ _CONTEXT_CATEGORIES = frozenset({"context", "routine", "habit", "summary", "lega
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
 
-@dataclass(frozen=True)
-class Line:
+class Line(NamedTuple):
     """One entry's line (with its newline), its section and its token count."""
 
     section: int
     tokens: int
     text: str
+
+
+_SECTION, _TOKENS, _TEXT = itemgetter(0), itemgetter(1), itemgetter(2)
 
 
 @dataclass(frozen=True)
@@ -143,28 +146,32 @@ def line_of(key: str, shown: str, *, conflicted: bool) -> str:
     return line + "\n"
 
 
+_HEADER_LINES = tuple(f"## {name}\n" for name in SECTIONS)
+
+
 def header_line(section: int) -> str:
-    return f"## {SECTIONS[section]}\n"
+    return _HEADER_LINES[section]
 
 
+@lru_cache(maxsize=4096)
 def left_out_line(count: int) -> str:
     return f"({count} more {'entry' if count == 1 else 'entries'} left out)\n"
 
 
-def _by_section(lines: Sequence[Line]) -> list[list[Line]]:
-    sections: list[list[Line]] = [[] for _ in SECTIONS]
-    for line in lines:
-        sections[line.section].append(line)
-    return sections
+def _by_section(lines: Sequence[Line]) -> list[Line]:
+    # Stable: ranked within each section.
+    return sorted(lines, key=_SECTION)
 
 
 def assemble(lines: Sequence[Line], left_out: int) -> str:
     """The profile text of these ranked lines: by section, ranked within each."""
     parts: list[str] = []
-    for section, mine in enumerate(_by_section(lines)):
-        if mine:
-            parts.append(header_line(section))
-            parts.extend(line.text for line in mine)
+    current = -1
+    for line in _by_section(lines):
+        if line.section != current:
+            current = line.section
+            parts.append(_HEADER_LINES[current])
+        parts.append(line.text)
     if left_out:
         parts.append(left_out_line(left_out))
     return "".join(parts)
@@ -176,10 +183,12 @@ def pieces(
     """:func:`assemble`'s parts with their tokens (the left-out line counted by ``count``):
     their texts joined are the profile's text."""
     parts: list[tuple[str, int]] = []
-    for section, mine in enumerate(_by_section(lines)):
-        if mine:
-            parts.append((header_line(section), header_tokens[section]))
-            parts.extend((line.text, line.tokens) for line in mine)
+    current = -1
+    for section, tokens, text in _by_section(lines):
+        if section != current:
+            current = section
+            parts.append((_HEADER_LINES[section], header_tokens[section]))
+        parts.append((text, tokens))
     if left_out:
         last = left_out_line(left_out)
         parts.append((last, count(last)))
@@ -196,13 +205,13 @@ def windowed_tokens(
     Exact for a tokenizer whose pre-tokenizer never joins a line's end to what follows
     (cl100k's: a newline followed by a non-space always ends a piece), each part being
     whole lines that start with a non-space (every line of a profile)."""
+    if sum(map(len, map(_FIRST, parts))) <= window:
+        return sum(map(_SECOND, parts))
     ends: list[int] = []
     chars = 0
     for text, _ in parts:
         chars += len(text)
         ends.append(chars)
-    if chars <= window:
-        return sum(tokens for _, tokens in parts)
     whole = "".join(text for text, _ in parts)
     total = 0
     first = 0  # the first part not ending before the window
@@ -225,6 +234,9 @@ def windowed_tokens(
     return total
 
 
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+
+
 def estimate(layout: Layout, kept: int) -> int:
     """Tokens of the profile holding the first ``kept`` lines: lines, headers, the
     left-out line, and a slack per counting window (an upper bound of the count)."""
@@ -240,17 +252,20 @@ def estimate(layout: Layout, kept: int) -> int:
 def cut(layout: Layout, budget: int) -> int:
     """How many of the ranked lines fit ``budget``: the largest prefix that does (its
     :func:`estimate` at most ``budget``), every prefix's estimate taken in one pass."""
+    lines = layout.lines
+    if _fits_whole(layout, budget):
+        return len(lines)
     best = tokens = chars = 0
     sections: set[int] = set()
-    for kept in range(len(layout.lines) + 1):
+    for kept in range(len(lines) + 1):
         if kept:
-            line = layout.lines[kept - 1]
+            line = lines[kept - 1]
             tokens += line.tokens
             chars += len(line.text)
             if line.section not in sections:
                 sections.add(line.section)
                 tokens += layout.header_tokens[line.section]
-                chars += len(header_line(line.section))
+                chars += len(_HEADER_LINES[line.section])
         if tokens > budget:
             break  # every longer prefix holds these tokens and more
         total_tokens, total_chars = tokens, chars
@@ -260,3 +275,17 @@ def cut(layout: Layout, budget: int) -> int:
         if total_tokens + WINDOW_SLACK_TOKENS * (total_chars // COUNT_WINDOW_CHARS) <= budget:
             best = kept
     return best
+
+
+def _fits_whole(layout: Layout, budget: int) -> bool:
+    """Whether every line of the layout fits (:func:`estimate` of them all, made without
+    assembling the text): then no shorter prefix is looked at. Every prefix holds at
+    most the whole one's tokens, so the one-pass loop would keep them all too."""
+    lines = layout.lines
+    sections = set(map(_SECTION, lines))
+    tokens = sum(map(_TOKENS, lines)) + sum(layout.header_tokens[s] for s in sections)
+    chars = sum(map(len, map(_TEXT, lines))) + sum(len(_HEADER_LINES[s]) for s in sections)
+    if len(lines) < layout.total:
+        tokens += layout.left_out_tokens
+        chars += len(left_out_line(layout.total - len(lines)))
+    return tokens + WINDOW_SLACK_TOKENS * (chars // COUNT_WINDOW_CHARS) <= budget
