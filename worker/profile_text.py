@@ -283,8 +283,8 @@ def _fits_whole(layout: Layout, budget: int) -> bool:
     most the whole one's tokens, so the one-pass loop would keep them all too."""
     lines = layout.lines
     sections = set(map(_SECTION, lines))
-    tokens = sum(map(_TOKENS, lines)) + sum(layout.header_tokens[s] for s in sections)
-    chars = sum(map(len, map(_TEXT, lines))) + sum(len(_HEADER_LINES[s]) for s in sections)
+    tokens: int = sum(map(_TOKENS, lines)) + sum(layout.header_tokens[s] for s in sections)
+    chars: int = sum(map(len, map(_TEXT, lines))) + sum(len(_HEADER_LINES[s]) for s in sections)
     if len(lines) < layout.total:
         tokens += layout.left_out_tokens
         chars += len(left_out_line(layout.total - len(lines)))
