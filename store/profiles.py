@@ -185,7 +185,8 @@ def entries_for_build(
         .where(among(session, table.c.user_id, users))
         .order_by(*order)
     )
-    return list(session.execute(stmt).all()), ranked
+    # Through the connection: plain rows, without the ORM's loading of each one.
+    return list(session.connection().execute(stmt).all()), ranked
 
 
 #: The positions of :func:`entries_for_build`'s columns (the builder reads rows by position).
