@@ -19,6 +19,11 @@ Goal: on <= 1.2x off, measured in the same run.
 again and no row changed, so no profile may be rebuilt (goal 0), counted in the
 database (profiles whose ``built_at`` is after the second sweep began).
 
+(d) **A later sweep after the application changed a share of the users** (one entry
+each, ``--changed``, a tenth by default), on both copies of each pair: what a nightly
+sweep costs once the profiles exist, against the same sweep with them off. Shown
+beside (b), not instead of it: (b) is the most a sweep can have to build.
+
     python -m bench.profiles                                  # 100,000 users; sweep 1,000 x 50
     python -m bench.profiles --users 20000 --sweep-users 500
 """
@@ -218,7 +223,28 @@ def _sweep(url: str, **overrides: object) -> tuple[float, int]:
     return took, report.users_processed
 
 
-def sweeps(make: Callable[[str | None], str], users: int, entries: int, rounds: int) -> dict[str, float]:
+def _application_changes(url: str, share: float) -> int:
+    """The application updates one entry (the first by id) of about ``share`` of the
+    users, picked by a hash of their id (the same ones on every copy), and every user is
+    made due again; returns the users changed."""
+    step = max(1, round(1 / share))
+    with psycopg.connect(url, autocommit=True) as conn:
+        changed = conn.execute(
+            "WITH picked AS (SELECT user_id FROM (SELECT DISTINCT user_id FROM usermemories) u"
+            "  WHERE abs(hashtext(user_id)) %% %s = 0),"
+            " one AS (SELECT DISTINCT ON (user_id) user_id, id FROM usermemories"
+            "  WHERE user_id IN (SELECT user_id FROM picked) ORDER BY user_id, id)"
+            " UPDATE usermemories m SET value = to_jsonb('changed by the application'::text),"
+            "  updated_at = timezone('utc', now()) FROM one WHERE m.user_id = one.user_id AND m.id = one.id",
+            (step,),
+        ).rowcount
+        conn.execute("UPDATE dream_user_state SET next_dream_at = timezone('utc', now()) - interval '1 minute'")
+    return changed
+
+
+def sweeps(
+    make: Callable[[str | None], str], users: int, entries: int, rounds: int, share: float = 0.1
+) -> dict[str, float]:
     """Sweeps with profiles off and on, alternated over ``rounds`` pairs of copies (the
     best of each kept: on a shared machine the others' load only adds time), then a
     second sweep of the last profiles-on copy, with nobody changed."""
@@ -255,7 +281,34 @@ def sweeps(make: Callable[[str | None], str], users: int, entries: int, rounds: 
     _log(f"second sweep, nobody changed: {again:.2f}s, {rebuilt[0]} profiles rebuilt")
     if done_again != users:
         raise RuntimeError(f"users processed by the second sweep: {done_again}, not {users}")
+    later_offs, later_ons = [], []
+    for off_db, on_db in copies:
+        changed = _application_changes(off_db, share)
+        if _application_changes(on_db, share) != changed:
+            raise RuntimeError("the two copies were changed differently")
+        off, _ = _sweep(off_db, build_profiles=False)
+        with psycopg.connect(on_db, autocommit=True) as conn:
+            mark = conn.execute("SELECT timezone('utc', statement_timestamp())").fetchone()
+        assert mark is not None
+        on, _ = _sweep(on_db)
+        with psycopg.connect(on_db, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(DISTINCT user_id) FROM dream_profiles WHERE built_at >= %s", (mark[0],)
+            ).fetchone()
+        assert row is not None
+        _log(
+            f"later sweep, {changed} users changed by the application: off {off:.2f}s, on {on:.2f}s, "
+            f"{row[0]} users' profiles rebuilt"
+        )
+        later_offs.append(off)
+        later_ons.append(on)
     return {
+        "later_off": min(later_offs),
+        "later_on": min(later_ons),
+        "later_offs": later_offs,  # type: ignore[dict-item]
+        "later_ons": later_ons,  # type: ignore[dict-item]
+        "changed": float(changed),
+        "later_rebuilt": float(row[0]),
         "off": min(offs),
         "on": min(ons),
         "offs": offs,  # type: ignore[dict-item]
@@ -269,7 +322,7 @@ def sweeps(make: Callable[[str | None], str], users: int, entries: int, rounds: 
 # -- the measure -----------------------------------------------------------------------------
 
 
-def run(users: int, sweep_users: int, entries: int, reads: int, rounds: int = 2) -> list[Row]:
+def run(users: int, sweep_users: int, entries: int, reads: int, rounds: int = 2, share: float = 0.1) -> list[Row]:
     with databases("reverie_profiles") as make:
         reads_db = _url(_migrated(make))
         count = build_profiles(reads_db, users, entries)
@@ -277,7 +330,7 @@ def run(users: int, sweep_users: int, entries: int, reads: int, rounds: int = 2)
         latency = read_latency(reads_db, users, reads)
         _log(f"reads done ({load_reads} before)")
         load_sweeps = load_average()
-        sweep = sweeps(make, sweep_users, entries, rounds)
+        sweep = sweeps(make, sweep_users, entries, rounds, share)
     rows = [
         Row(
             "P7",
@@ -305,6 +358,17 @@ def run(users: int, sweep_users: int, entries: int, reads: int, rounds: int = 2)
         ),
         Row(
             "P7",
+            f"later sweep, profiles on: {int(sweep['changed']):,} users ({share:.0%}) changed by the application, "
+            f"one entry each; {int(sweep['later_rebuilt']):,} users' profiles rebuilt, {size}, best of {rounds} "
+            "alternated pairs (on "
+            f"{', '.join(seconds(x) for x in sweep['later_ons'])}; off "
+            f"{', '.join(seconds(x) for x in sweep['later_offs'])})",
+            seconds(sweep["later_on"]),
+            f"profiles off {seconds(sweep['later_off'])}",
+            ratio(sweep["later_on"], sweep["later_off"]),
+        ),
+        Row(
+            "P7",
             f"second sweep, nobody changed: profiles rebuilt, {size}",
             f"{int(sweep['rebuilt'])} rebuilt in {seconds(sweep['again'])}",
             f"profiles off {seconds(sweep['off'])}",
@@ -328,14 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="pairs of sweeps (off, on), the best of each kept")
     parser.add_argument("--entries", type=int, default=50)
     parser.add_argument("--reads", type=int, default=READS)
+    parser.add_argument("--changed", type=float, default=0.1, help="share of users the application changes, for (d)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if not 0 < args.changed <= 1:
+        parser.error("--changed is a share of the users: more than 0, at most 1")
     from worker.logging_setup import configure_logging
     from worker.settings import Settings
 
     configure_logging(Settings(_env_file=None, log_level="WARNING"))  # type: ignore[call-arg]
     started = datetime.now(UTC)
-    rows = run(args.users, args.sweep_users, args.entries, args.reads, args.rounds)
+    rows = run(args.users, args.sweep_users, args.entries, args.reads, args.rounds, args.changed)
     print(f"started {started:%Y-%m-%d %H:%M} UTC")
     print(render(rows))
     if args.json:

@@ -11,8 +11,26 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, case, delete, false, func, literal, or_, select, true, tuple_
+from sqlalchemy import (
+    ColumnElement,
+    String,
+    Table,
+    and_,
+    any_,
+    bindparam,
+    case,
+    delete,
+    false,
+    func,
+    literal,
+    or_,
+    select,
+    true,
+    tuple_,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -22,11 +40,22 @@ from store.models import EntryState
 GDPR_PREFIX = "_gdpr_"
 
 
-def _of_users(table: Table, users: str | Collection[str]) -> ColumnElement[bool]:
-    """One user (a string) or several (any other collection)."""
+def users_in(column: Any, users: str | Collection[str], *, array: bool) -> ColumnElement[bool]:
+    """``column`` is one user's (a string) or one of several users' (any other
+    collection). ``array`` (PostgreSQL only): as ``= ANY(array)``, one parameter whatever
+    the number of users, so a chunk's statement is neither re-rendered with a parameter
+    per user nor re-parsed each time; else ``IN`` with a parameter per user."""
     if isinstance(users, str):
-        return table.c.user_id == users
-    return table.c.user_id.in_(sorted(users))
+        condition: ColumnElement[bool] = column == users
+    elif array:
+        condition = column == any_(bindparam(None, sorted(users), type_=ARRAY(String), expanding=False))
+    else:
+        condition = column.in_(sorted(users))
+    return condition
+
+
+def _is_pg(session: Session) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
 
 
 def observe_recalls(session: Session, table: Table, users: str | Collection[str], at: datetime) -> None:
@@ -47,7 +76,7 @@ def observe_recalls(session: Session, table: Table, users: str | Collection[str]
             literal(at, EntryState.seen_at.type),
         )
         .select_from(table.outerjoin(known, and_(known.c.entry_id == table.c.id, known.c.user_id == table.c.user_id)))
-        .where(_of_users(table, users), or_(count > 0, known.c.entry_id.is_not(None)))
+        .where(users_in(table.c.user_id, users, array=_is_pg(session)), or_(count > 0, known.c.entry_id.is_not(None)))
     )
     columns = ["entry_id", "user_id", "access_count_seen", "last_recalled_at", "seen_at"]
     # Both dialects' INSERT speak the same ON CONFLICT; only the constructor differs.
@@ -102,9 +131,8 @@ def mark_restored(session: Session, entries: Collection[tuple[str, str, int]], a
 
 def forget_missing(session: Session, table: Table, users: str | Collection[str]) -> int:
     """Drop state rows of the users' entries that no longer exist."""
-    of_users = EntryState.user_id == users if isinstance(users, str) else EntryState.user_id.in_(sorted(users))
     gone = delete(EntryState).where(
-        of_users,
+        users_in(EntryState.user_id, users, array=_is_pg(session)),
         ~select(table.c.id)
         .where(table.c.id == EntryState.entry_id, table.c.user_id == EntryState.user_id)
         .correlate(EntryState)
@@ -122,14 +150,8 @@ def not_protected(table: Table, protected_categories: Collection[str]) -> Column
     return condition
 
 
-def _state_of(users: str | Collection[str]) -> ColumnElement[bool]:
-    if isinstance(users, str):
-        return EntryState.user_id == users
-    return EntryState.user_id.in_(sorted(users))
-
-
 def _stale(
-    table: Table, users: str | Collection[str], cutoff: datetime, last_access_column: str | None
+    table: Table, users: str | Collection[str], cutoff: datetime, last_access_column: str | None, *, array: bool
 ) -> ColumnElement[bool]:
     touched = func.coalesce(table.c.updated_at, table.c.created_at)
     count = func.coalesce(table.c.access_count, 0)
@@ -141,9 +163,10 @@ def _stale(
     # condition on the new row version (READ COMMITTED) and the entry lives.
     # An entry is named by (user_id, id): the host may number its rows per user.
     quiet = select(EntryState.user_id, EntryState.entry_id, EntryState.access_count_seen).where(
-        _state_of(users), or_(EntryState.last_recalled_at.is_(None), EntryState.last_recalled_at < cutoff)
+        users_in(EntryState.user_id, users, array=array),
+        or_(EntryState.last_recalled_at.is_(None), EntryState.last_recalled_at < cutoff),
     )
-    known = select(EntryState.user_id, EntryState.entry_id).where(_state_of(users))
+    known = select(EntryState.user_id, EntryState.entry_id).where(users_in(EntryState.user_id, users, array=array))
     entry = (table.c.user_id, table.c.id)
     unrecalled = or_(tuple_(*entry, count).in_(quiet), and_(count == 0, tuple_(*entry).not_in(known)))
     condition = and_(touched < cutoff, unrecalled)
@@ -162,9 +185,11 @@ def prunable_where(
     owners: Collection[str] | None,
     protected_categories: Collection[str],
     last_access_column: str | None,
+    array: bool = False,
 ) -> ColumnElement[bool]:
     """The set of the users' stale entries (one user id, or a collection of them), each
-    judged by its owner's policy.
+    judged by its owner's policy. ``array``: the users as one array parameter
+    (PostgreSQL; see :func:`users_in`).
 
     ``agent_cutoffs`` holds the agents with a policy of their own (None: they do not
     prune); everyone else, and unowned entries, use ``default_cutoff``. ``owners``
@@ -174,15 +199,16 @@ def prunable_where(
     branches: list[ColumnElement[bool]] = []
     for agent, cutoff in agent_cutoffs.items():
         if cutoff is not None:
-            branches.append(and_(owner == agent, _stale(table, users, cutoff, last_access_column)))
+            branches.append(and_(owner == agent, _stale(table, users, cutoff, last_access_column, array=array)))
     if default_cutoff is not None:
         others: ColumnElement[bool] = true()
         if agent_cutoffs:
             others = or_(owner.is_(None), owner.not_in(sorted(agent_cutoffs)))
-        branches.append(and_(others, _stale(table, users, default_cutoff, last_access_column)))
+        branches.append(and_(others, _stale(table, users, default_cutoff, last_access_column, array=array)))
     if not branches:
         return false()
-    condition = and_(_of_users(table, users), not_protected(table, protected_categories), or_(*branches))
+    of_users = users_in(table.c.user_id, users, array=array)
+    condition = and_(of_users, not_protected(table, protected_categories), or_(*branches))
     if owners is not None:
         condition = and_(condition, owner.in_(sorted(owners)))
     return condition

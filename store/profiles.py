@@ -15,12 +15,9 @@ from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
-    String,
     Table,
     Text,
     and_,
-    any_,
-    bindparam,
     case,
     cast,
     delete,
@@ -30,10 +27,10 @@ from sqlalchemy import (
     select,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from store.bulk import insert_rows
+from store.entry_state import users_in
 from store.models import EntryState, Profile
 
 #: ``agent_id`` of the agent-less profile (global entries only).
@@ -67,12 +64,7 @@ class Fingerprint:
 def among(session: Session, column: Any, values: Sequence[str]) -> ColumnElement[bool]:
     """``column IN values``; on PostgreSQL as ``= ANY(array)``, one parameter whatever
     the number of values (the statement's text, and so its parsing, is the same each time)."""
-    condition: ColumnElement[bool]
-    if session.get_bind().dialect.name == "postgresql":
-        condition = column == any_(bindparam(None, list(values), type_=ARRAY(String), expanding=False))
-    else:
-        condition = column.in_(values)
-    return condition
+    return users_in(column, values, array=session.get_bind().dialect.name == "postgresql")
 
 
 def content_hash(session: Session, table: Table) -> ColumnElement[Any]:

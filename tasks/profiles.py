@@ -207,7 +207,9 @@ def _cutoff(policy: Policy, at: datetime) -> datetime | None:
     return at - timedelta(days=policy.pruneStaleAfterDays) if policy.prunes else None
 
 
-def _stale_where(settings: Settings, table: Table, users: Collection[str], book: PolicyBook, at: datetime) -> Any:
+def _stale_where(
+    settings: Settings, table: Table, users: Collection[str], book: PolicyBook, at: datetime, *, array: bool
+) -> Any:
     condition: ColumnElement[bool] = entry_state.prunable_where(
         table,
         users,
@@ -216,6 +218,7 @@ def _stale_where(settings: Settings, table: Table, users: Collection[str], book:
         owners=None,
         protected_categories=settings.protected_category_set,
         last_access_column=settings.memory_last_access_column,
+        array=array,
     )
     return condition
 
@@ -282,7 +285,7 @@ def plan(
         session,
         table,
         changed,
-        stale=_stale_where(settings, table, changed, book, at),
+        stale=_stale_where(settings, table, changed, book, at, array=session.get_bind().dialect.name == "postgresql"),
         last_access_column=settings.memory_last_access_column,
     )
     by_user: dict[str, list[Any]] = {u: [] for u in changed}

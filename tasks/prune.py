@@ -31,6 +31,7 @@ def _stale_where(
     book: PolicyBook,
     owners: Collection[str] | None,
     at: datetime,
+    array: bool = False,
 ) -> ColumnElement[bool]:
     """The users' stale entries, each judged by its owner's policy (see ``entry_state``)."""
     return entry_state.prunable_where(
@@ -41,6 +42,7 @@ def _stale_where(
         owners=owners,
         protected_categories=settings.protected_category_set,
         last_access_column=settings.memory_last_access_column,
+        array=array,
     )
 
 
@@ -80,7 +82,8 @@ def prune_users(
     if not users:
         return counts
     entry_state.observe_recalls(session, table, users, at)
-    where = _stale_where(settings, table, users, book=book, owners=None, at=at)
+    array = session.get_bind().dialect.name == "postgresql"
+    where = _stale_where(settings, table, users, book=book, owners=None, at=at, array=array)
     for removed in remove_entries_of_runs(session, table, where, runs, reason="prune", source="prune"):
         counts[removed.user_id] += 1
     entry_state.forget_missing(session, table, users)
