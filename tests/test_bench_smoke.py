@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,8 @@ def test_profile_benchmark_quick_mode_reads_and_sweeps_and_rebuilds_nobody_uncha
     cells = [cell.strip() for cell in again.strip("|").split("|")]
     # measure, what, figure, baseline, ratio, goal, verdict
     assert cells[2].startswith("0 rebuilt") and cells[6] == "pass", again
+    # A later sweep rebuilds exactly the users the application changed.
+    (later,) = [row for row in rows if "changed by the application" in row]
+    changed = re.search(r"profiles on: (\d+) users", later)
+    rebuilt = re.search(r"; (\d+) users' profiles rebuilt", later)
+    assert changed and rebuilt and int(changed[1]) > 0 and rebuilt[1] == changed[1], later
