@@ -76,11 +76,6 @@ def rank_key(row: Any) -> tuple[Any, ...]:
     )
 
 
-def visible_to(rows: Sequence[Any], agent_id: str) -> list[Any]:
-    """The rows ``agent_id`` may see ('' : the agent-less profile, global entries only)."""
-    return [r for r in rows if r.visibility == "global" or (agent_id != NO_AGENT and r.source_agent_id == agent_id)]
-
-
 class Entry(NamedTuple):
     """A row as a profile shows it: formatted and placed once, for all its profiles."""
 
@@ -142,11 +137,13 @@ _first = itemgetter(0)
 _USER_ID, _STALE = profile_store.BUILD_COLUMNS.index("user_id"), profile_store.BUILD_COLUMNS.index("stale")
 
 
-def visible_entries(ranked: Sequence[Entry], agent_id: str) -> list[Entry]:
-    """:func:`visible_to`, on ranked entries (the order is kept)."""
+def visible_lines(lines: Sequence[Line], ranked: Sequence[Entry], agent_id: str) -> list[Line]:
+    """The lines of the ranked entries (``lines[i]`` is ``ranked[i]``'s) that ``agent_id``
+    may see, in rank order: its own ``self`` and ``group`` entries and every ``global``
+    one ('': the agent-less profile, the global entries only)."""
     if agent_id == NO_AGENT:
-        return [e for e in ranked if e.shared]
-    return [e for e in ranked if e.shared or e.owner == agent_id]
+        return [line for line, entry in zip(lines, ranked, strict=True) if entry.shared]
+    return [line for line, entry in zip(lines, ranked, strict=True) if entry.shared or entry.owner == agent_id]
 
 
 def header_tokens(count: Counter) -> list[int]:
@@ -327,10 +324,7 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
         agents = sorted({e.owner for e in ranked if e.owner} - {NO_AGENT})
         out[user_id] = []
         for agent in [NO_AGENT, *agents]:
-            if agent == NO_AGENT:
-                visible = [line for line, e in zip(lines, ranked, strict=True) if e.shared]
-            else:
-                visible = [line for line, e in zip(lines, ranked, strict=True) if e.shared or e.owner == agent]
+            visible = visible_lines(lines, ranked, agent)
             built = build_lines(visible, budget, count, headers, by_lines=count.by_lines)
             writer_name = "deterministic"
             if writer is not None and book.for_agent(agent or None).writes_profiles_with_model:
