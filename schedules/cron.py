@@ -46,6 +46,8 @@ class PassReport:
     signals_failed: int = 0
     signals_dead: int = 0
     cost_usd: float = 0.0
+    #: Profiles written for users whose memory changed.
+    profiles_built: int = 0
     # Rows purged (or payloads emptied) past their retention, at the end of the pass.
     rows_purged: int = 0
     run_ids: list[int] = field(default_factory=list)
@@ -67,6 +69,7 @@ class PassReport:
         self.contradictions_found += outcome.contradictions_found
         self.entries_summarized += outcome.entries_summarized
         self.groups_deferred += outcome.groups_deferred
+        self.profiles_built += outcome.profiles_built
         self.cost_usd = round(self.cost_usd + outcome.cost_usd, 9)
 
     def as_dict(self) -> dict[str, Any]:

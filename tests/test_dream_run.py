@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 import tasks.dream
 from store import locks, schedule
 from store.db import session_scope
-from store.models import Run, UserState
+from store.models import Profile, Run, UserState
 from store.types import now
 from tasks.dream import dream_user, dream_users
 from tests.dream_seed import entry, keys_of, seed
@@ -283,6 +283,9 @@ def test_a_cron_pass_works_on_several_chunks_at_once_and_dreams_each_user_once(p
 
     assert (report.users_processed, report.users_failed, report.users_deferred) == (13, 0, 0)
     assert report.entries_pruned == 13
+    with session_scope(settings) as session:
+        stored = session.scalar(select(func.count()).select_from(Profile).where(Profile.user_id.in_(users)))
+    assert report.profiles_built == stored and stored >= 13  # each user's agent-less one at least
     assert progress == [(n, 13) for n in range(1, 14)]
     assert _ledger(settings, users) == dict.fromkeys(users, ("succeeded", 1))
     with session_scope(settings) as session:
