@@ -11,13 +11,19 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
+    Select,
+    String,
     Table,
     Text,
     and_,
+    any_,
+    bindparam,
     case,
     cast,
     delete,
@@ -26,7 +32,9 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    tuple_,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from store.bulk import insert_rows
@@ -50,14 +58,13 @@ class Fingerprint:
         """The fingerprint of rows read by :func:`entries_for_build` (a column at a time)."""
         if not rows:
             return cls()
-        columns = list(zip(*rows, strict=True))
-        stamps = [s for s in columns[_UPDATED_AT] if s is not None]
+        stamps = [s for s in map(_updated_at, rows) if s is not None]
         return cls(
             rows=len(rows),
             updated_at=max(stamps) if stamps else None,
-            recalls=sum(int(r or 0) for r in columns[_ACCESS_COUNT]),
-            conflicted=sum(1 for c in columns[_CONFLICTED] if c),
-            content=sum(int(h or 0) for h in columns[_CONTENT_HASH]),
+            recalls=sum(int(r or 0) for r in map(_access_count, rows)),
+            conflicted=sum(1 for c in map(_conflicted, rows) if c),
+            content=sum(int(h or 0) for h in map(_content_hash, rows)),
         )
 
 
@@ -71,24 +78,41 @@ def content_hash(session: Session, table: Table) -> ColumnElement[Any]:
     """A per-row hash of what a profile shows (key, value, category, visibility,
     owner), so an application write that leaves ``updated_at`` alone is seen too.
     PostgreSQL hashes the text; SQLite, which has no hash function, sums lengths."""
-    parts = [
+    if session.get_bind().dialect.name == "postgresql":
+        return _pg_content_hash(table)
+    parts = _shown_parts(table)
+    return sum((func.length(part) for part in parts[1:]), func.length(parts[0]))
+
+
+def _shown_parts(table: Table) -> list[ColumnElement[Any]]:
+    return [
         table.c.key,
         func.coalesce(cast(table.c.value, Text), ""),
         func.coalesce(table.c.category, ""),
         func.coalesce(table.c.visibility, ""),
         func.coalesce(table.c.source_agent_id, ""),
     ]
-    if session.get_bind().dialect.name == "postgresql":
-        return func.hashtext(func.concat_ws("\x1f", *parts))
-    return sum((func.length(part) for part in parts[1:]), func.length(parts[0]))
+
+
+def _pg_content_hash(table: Table) -> ColumnElement[Any]:
+    return func.hashtext(func.concat_ws("\x1f", *_shown_parts(table)))
 
 
 def changed_users(session: Session, table: Table, user_ids: Collection[str]) -> list[str]:
     """The users among ``user_ids`` whose rows differ from what their profiles were
-    built from (or who have rows and no profile yet): two set-based statements."""
+    built from (or who have rows and no profile yet). On PostgreSQL one statement
+    compares the fingerprints and returns the changed users only; elsewhere two
+    set-based statements read them and they are compared here."""
     users = sorted(set(user_ids))
     if not users:
         return []
+    if session.get_bind().dialect.name == "postgresql":
+        return list(session.connection().execute(_changed_statement(table), {"ids": users}).scalars())
+    return compare_fingerprints(session, table, users)
+
+
+def compare_fingerprints(session: Session, table: Table, users: Sequence[str]) -> list[str]:
+    """:func:`changed_users` as two statements and a comparison here (any database)."""
     current = {
         row.user_id: Fingerprint(
             int(row.rows), row.updated_at, int(row.recalls or 0), int(row.conflicted or 0), int(row.content or 0)
@@ -122,6 +146,59 @@ def changed_users(session: Session, table: Table, user_ids: Collection[str]) -> 
         )
     }
     return [u for u in users if (u in current or u in built) and current.get(u, Fingerprint()) != built.get(u)]
+
+
+@lru_cache(maxsize=8)
+def _changed_statement(table: Table) -> Select[tuple[str]]:
+    """:func:`changed_users` as one PostgreSQL statement (built once per table; the users
+    are its one parameter, ``ids``): each user's current fingerprint against the one
+    stored with their agent-less profile, a user with no rows counting as the empty
+    fingerprint (as :class:`Fingerprint` does)."""
+    ids = bindparam("ids", type_=ARRAY(String))
+    current = (
+        select(
+            table.c.user_id.label("user_id"),
+            func.count().label("rows"),
+            func.max(table.c.updated_at).label("updated_at"),
+            func.sum(func.coalesce(table.c.access_count, 0)).label("recalls"),
+            func.sum(case((table.c.conflicted.is_(True), 1), else_=0)).label("conflicted"),
+            func.sum(_pg_content_hash(table)).label("content"),
+        )
+        .where(table.c.user_id == any_(ids))
+        .group_by(table.c.user_id)
+        .subquery("current")
+    )
+    built = (
+        select(
+            Profile.user_id,
+            Profile.source_rows,
+            Profile.source_updated_at,
+            Profile.source_recalls,
+            Profile.source_conflicted,
+            Profile.source_content,
+        )
+        .where(Profile.user_id == any_(ids), Profile.agent_id == NO_AGENT)
+        .subquery("built")
+    )
+    now = tuple_(
+        func.coalesce(current.c.rows, 0),
+        current.c.updated_at,
+        func.coalesce(current.c.recalls, 0),
+        func.coalesce(current.c.conflicted, 0),
+        func.coalesce(current.c.content, 0),
+    )
+    then = tuple_(
+        built.c.source_rows,
+        built.c.source_updated_at,
+        built.c.source_recalls,
+        built.c.source_conflicted,
+        built.c.source_content,
+    )
+    return (
+        select(func.coalesce(current.c.user_id, built.c.user_id))
+        .select_from(current.join(built, current.c.user_id == built.c.user_id, full=True))
+        .where(now.is_distinct_from(then))
+    )
 
 
 def entries_for_build(
@@ -198,8 +275,8 @@ BUILD_COLUMNS = (
     "content_hash",
     "stale",
 )
-_CONFLICTED, _ACCESS_COUNT, _UPDATED_AT, _CONTENT_HASH = (
-    BUILD_COLUMNS.index(name) for name in ("conflicted", "access_count", "updated_at", "content_hash")
+_conflicted, _access_count, _updated_at, _content_hash = (
+    itemgetter(BUILD_COLUMNS.index(name)) for name in ("conflicted", "access_count", "updated_at", "content_hash")
 )
 
 #: Category priority in the ranking (lowest first); any other category ranks ``4``.

@@ -783,3 +783,36 @@ def test_a_profile_write_that_fails_leaves_the_runs_closed_and_the_next_pass_bui
     assert open_runs == 0 and leases == 0
     monkeypatch.setattr(profiles, "save", real_save)
     assert [o.profiles_built for o in dream_users(pg_settings, ["u1", "u2"])] == [3, 3]
+
+
+def test_the_one_statement_look_at_who_changed_agrees_with_comparing_fingerprints(pg_settings: Settings) -> None:
+    from store.profiles import changed_users, compare_fingerprints
+
+    users = [f"f{i}" for i in range(1, 8)]
+    seed(pg_settings, [row for user in users for row in _world(user)])
+    table = table_for(pg_settings)
+
+    def looks() -> tuple[list[str], list[str]]:
+        with session_scope(pg_settings) as session:
+            both = (
+                changed_users(session, table, [*users, "nobody"]),
+                compare_fingerprints(session, table, sorted([*users, "nobody"])),
+            )
+        return both
+
+    assert looks() == (users, users)  # rows and no profile yet; no rows and no profile: not changed
+    _refresh(pg_settings, users)
+    assert looks() == ([], [])
+    where = {u: (table.c.user_id == u) & (table.c.key == "home_city") for u in users}
+    with session_scope(pg_settings) as session:  # the application's writes, one kind per user
+        session.execute(update(table).where(where["f1"]).values(value="Porto"))  # updated_at left alone
+        session.execute(update(table).where(where["f2"]).values(access_count=table.c.access_count + 1))
+        session.execute(update(table).where(where["f3"]).values(conflicted=True))
+        session.execute(delete(table).where(table.c.user_id == "f4"))
+        session.execute(update(table).where(where["f5"]).values(updated_at=datetime(2030, 1, 1)))
+        session.execute(update(table).where(where["f6"]).values(visibility="self"))
+    assert looks() == (users[:6], users[:6])
+    _refresh(pg_settings, users)
+    # f4 has no rows left: its agent-less profile holds the empty fingerprint, not changed since.
+    assert looks() == ([], [])
+    assert _stored(pg_settings, "f4")[""].source_rows == 0

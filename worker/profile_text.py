@@ -139,11 +139,15 @@ def entry_line(key: str, value: Any, *, conflicted: bool) -> str:
 
 def line_of(key: str, shown: str, *, conflicted: bool) -> str:
     """:func:`entry_line` of a value already made its text (:func:`value_text`)."""
-    name = _plain(key.replace("_", " "), MAX_KEY_CHARS) or "(no key)"
-    line = f"- {name}: {shown}".rstrip()
-    if conflicted:
-        line += " (contradicted)"
-    return line + "\n"
+    # A shown value has no space at either end: only an empty one leaves one to strip.
+    line = _key_part(key) + shown if shown else _key_part(key).rstrip()
+    return line + " (contradicted)\n" if conflicted else line + "\n"
+
+
+@lru_cache(maxsize=65_536)
+def _key_part(key: str) -> str:
+    """``- key: `` (keys recur: every user has the same few)."""
+    return f"- {_plain(key.replace('_', ' '), MAX_KEY_CHARS) or '(no key)'}: "
 
 
 _HEADER_LINES = tuple(f"## {name}\n" for name in SECTIONS)
