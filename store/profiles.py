@@ -107,7 +107,7 @@ def changed_users(session: Session, table: Table, user_ids: Collection[str]) -> 
     if not users:
         return []
     if session.get_bind().dialect.name == "postgresql":
-        return list(session.connection().execute(_changed_statement(table), {"ids": users}).scalars())
+        return sorted(session.connection().execute(_changed_statement(table), {"ids": users}).scalars())
     return compare_fingerprints(session, table, users)
 
 

@@ -108,6 +108,11 @@ def test_reverie_run_json_has_the_contract_keys(pg_settings: Settings) -> None:
     assert (data["users_processed"], data["entries_pruned"]) == (2, 1)
     with session_scope(pg_settings) as session:
         assert sorted(data["run_ids"]) == sorted(session.scalars(select(Run.id)))
+        assert data["profiles_built"] == session.scalar(select(func.count()).select_from(Profile)) > 0
+    # Again, as a person reads it: nobody's memory changed since, so no profile is rebuilt.
+    again = subprocess.run([REVERIE, "run", "--all"], capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert again.returncode == 0, again.stderr
+    assert "2 dreamed" in again.stdout and "; 0 profiles built" in again.stdout, again.stdout
 
 
 def test_reverie_run_rejects_user_and_all_together(pg_settings: Settings) -> None:

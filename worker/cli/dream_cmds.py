@@ -92,7 +92,8 @@ def _print_report(data: dict[str, Any]) -> None:
     )
     print(
         f"entries: {data['entries_pruned']} pruned, {data['entries_summarized']} summarized; "
-        f"{data['contradictions_found']} new contradictions; {data['groups_deferred']} groups deferred"
+        f"{data['contradictions_found']} new contradictions; {data['groups_deferred']} groups deferred; "
+        f"{data['profiles_built']} profiles built"
     )
     print(f"cost: {data['cost_usd']:.6f} USD; runs: {', '.join(map(str, data['run_ids'])) or 'none'}")
     for error in data["errors"]:
