@@ -34,19 +34,31 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import BindParameter
 
 from store.models import EntryState
 
 GDPR_PREFIX = "_gdpr_"
 
 
-def users_in(column: Any, users: str | Collection[str], *, array: bool) -> ColumnElement[bool]:
+#: Users as :func:`users_in` takes them: one user, several, or an array parameter
+#: bound when the statement runs (a statement built once, PostgreSQL).
+Users = str | Collection[str] | BindParameter[Any]
+#: A cutoff time, or a parameter bound when the statement runs.
+Cutoff = datetime | BindParameter[Any]
+
+
+def users_in(column: Any, users: Users, *, array: bool) -> ColumnElement[bool]:
     """``column`` is one user's (a string) or one of several users' (any other
     collection). ``array`` (PostgreSQL only): as ``= ANY(array)``, one parameter whatever
     the number of users, so a chunk's statement is neither re-rendered with a parameter
-    per user nor re-parsed each time; else ``IN`` with a parameter per user."""
-    if isinstance(users, str):
-        condition: ColumnElement[bool] = column == users
+    per user nor re-parsed each time; else ``IN`` with a parameter per user. A bound
+    parameter is an array given when the statement runs."""
+    condition: ColumnElement[bool]
+    if isinstance(users, BindParameter):
+        condition = column == any_(users)
+    elif isinstance(users, str):
+        condition = column == users
     elif array:
         condition = column == any_(bindparam(None, sorted(users), type_=ARRAY(String), expanding=False))
     else:
@@ -151,7 +163,7 @@ def not_protected(table: Table, protected_categories: Collection[str]) -> Column
 
 
 def _stale(
-    table: Table, users: str | Collection[str], cutoff: datetime, last_access_column: str | None, *, array: bool
+    table: Table, users: Users, cutoff: Cutoff, last_access_column: str | None, *, array: bool
 ) -> ColumnElement[bool]:
     touched = func.coalesce(table.c.updated_at, table.c.created_at)
     count = func.coalesce(table.c.access_count, 0)
@@ -178,10 +190,10 @@ def _stale(
 
 def prunable_where(
     table: Table,
-    users: str | Collection[str],
+    users: Users,
     *,
-    agent_cutoffs: Mapping[str, datetime | None],
-    default_cutoff: datetime | None,
+    agent_cutoffs: Mapping[str, Cutoff | None],
+    default_cutoff: Cutoff | None,
     owners: Collection[str] | None,
     protected_categories: Collection[str],
     last_access_column: str | None,

@@ -8,7 +8,7 @@ contradicted, a hash of their contents): a user whose fingerprint is unchanged i
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
+    DateTime,
     Select,
     String,
     Table,
@@ -38,7 +39,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from store.bulk import insert_rows
-from store.entry_state import users_in
+from store.entry_state import prunable_where, users_in
 from store.models import EntryState, Profile
 
 #: ``agent_id`` of the agent-less profile (global entries only).
@@ -206,20 +207,89 @@ def entries_for_build(
     table: Table,
     user_ids: Collection[str],
     *,
-    stale: ColumnElement[bool],
+    agent_cutoffs: Mapping[str, datetime | None],
+    default_cutoff: datetime | None,
+    protected_categories: Collection[str],
     last_access_column: str | None,
 ) -> tuple[list[Any], bool]:
     """Every row of the users, with ``last_recalled_at`` (Reverie's recall look, or the
-    host's last-access column where later), ``stale`` (pruning would remove it), and
+    host's last-access column where later), ``stale`` (pruning would remove it: the
+    cutoffs and protection as :func:`store.entry_state.prunable_where` takes them), and
     ``value_json``, the value as JSON text (the builder shows it without a JSON object
     made of it where it can). Read in the order of ``BUILD_COLUMNS``.
 
     Returns the rows and whether they come ranked: on PostgreSQL the rows of each user
     come in the profiles' documented order (see :func:`rank_order`), so the builder does
-    not rank them; elsewhere they come by user and id, and the builder ranks them."""
+    not rank them; elsewhere they come by user and id, and the builder ranks them. On
+    PostgreSQL the statement is built once for each shape of the policies (which agents
+    prune), and the users and cutoffs are its parameters."""
     users = sorted(set(user_ids))
     if not users:
         return [], False
+    if session.get_bind().dialect.name == "postgresql":
+        agents = tuple((agent, cutoff is not None) for agent, cutoff in agent_cutoffs.items())
+        stmt = _pg_build_statement(
+            table, agents, default_cutoff is not None, tuple(sorted(protected_categories)), last_access_column
+        )
+        params: dict[str, Any] = {"ids": users, "cutoff_default": default_cutoff}
+        params.update((f"cutoff_{i}", cutoff) for i, cutoff in enumerate(agent_cutoffs.values()))
+        return list(session.connection().execute(stmt, params).all()), True
+    stale = prunable_where(
+        table,
+        users,
+        agent_cutoffs=agent_cutoffs,
+        default_cutoff=default_cutoff,
+        owners=None,
+        protected_categories=protected_categories,
+        last_access_column=last_access_column,
+    )
+    stmt = _build_statement(
+        table, table.c.user_id.in_(users), stale, last_access_column, content_hash(session, table), ranked=False
+    )
+    # Through the connection: plain rows, without the ORM's loading of each one.
+    return list(session.connection().execute(stmt).all()), False
+
+
+@lru_cache(maxsize=64)
+def _pg_build_statement(
+    table: Table,
+    agents: tuple[tuple[str, bool], ...],
+    default_prunes: bool,
+    protected_categories: tuple[str, ...],
+    last_access_column: str | None,
+) -> Select[Any]:
+    """:func:`entries_for_build`'s PostgreSQL statement for one shape of the policies
+    (``agents``: each agent with a policy of its own, and whether it prunes), with the
+    parameters ``ids`` (the users), ``cutoff_<i>`` (the i-th agent's cutoff) and
+    ``cutoff_default``."""
+    ids = bindparam("ids", type_=ARRAY(String))
+    stale = prunable_where(
+        table,
+        ids,
+        agent_cutoffs={
+            agent: bindparam(f"cutoff_{i}", type_=DateTime()) if prunes else None
+            for i, (agent, prunes) in enumerate(agents)
+        },
+        default_cutoff=bindparam("cutoff_default", type_=DateTime()) if default_prunes else None,
+        owners=None,
+        protected_categories=protected_categories,
+        last_access_column=last_access_column,
+        array=True,
+    )
+    return _build_statement(
+        table, table.c.user_id == any_(ids), stale, last_access_column, _pg_content_hash(table), ranked=True
+    )
+
+
+def _build_statement(
+    table: Table,
+    of_users: ColumnElement[bool],
+    stale: ColumnElement[bool],
+    last_access_column: str | None,
+    hashed: ColumnElement[Any],
+    *,
+    ranked: bool,
+) -> Select[Any]:
     recalled: ColumnElement[Any] = EntryState.__table__.c.last_recalled_at
     if last_access_column:
         accessed = table.c[last_access_column]
@@ -228,10 +298,9 @@ def entries_for_build(
             (or_(accessed.is_(None), accessed < EntryState.last_recalled_at), EntryState.last_recalled_at),
             else_=accessed,
         )
-    ranked = session.get_bind().dialect.name == "postgresql"
     order: list[ColumnElement[Any]] = [table.c.user_id]
     order += rank_order(table, recalled) if ranked else [table.c.id]
-    stmt = (
+    return (
         select(
             table.c.id,
             table.c.user_id,
@@ -245,17 +314,15 @@ def entries_for_build(
             table.c.created_at,
             table.c.updated_at,
             recalled.label("last_recalled_at"),
-            content_hash(session, table).label("content_hash"),
+            hashed.label("content_hash"),
             func.coalesce(case((stale, True), else_=False), false()).label("stale"),
         )
         .select_from(
             table.outerjoin(EntryState, and_(EntryState.entry_id == table.c.id, EntryState.user_id == table.c.user_id))
         )
-        .where(among(session, table.c.user_id, users))
+        .where(of_users)
         .order_by(*order)
     )
-    # Through the connection: plain rows, without the ORM's loading of each one.
-    return list(session.connection().execute(stmt).all()), ranked
 
 
 #: The positions of :func:`entries_for_build`'s columns (the builder reads rows by position).

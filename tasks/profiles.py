@@ -25,10 +25,8 @@ from datetime import datetime, timedelta
 from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
-from sqlalchemy import ColumnElement, Table
 from sqlalchemy.orm import Session
 
-from store import entry_state
 from store import profiles as profile_store
 from store.memories import table_for
 from store.profiles import CATEGORY_PRIORITY, NO_AGENT, OTHER_CATEGORY_PRIORITY, Fingerprint
@@ -204,22 +202,6 @@ def _cutoff(policy: Policy, at: datetime) -> datetime | None:
     return at - timedelta(days=policy.pruneStaleAfterDays) if policy.prunes else None
 
 
-def _stale_where(
-    settings: Settings, table: Table, users: Collection[str], book: PolicyBook, at: datetime, *, array: bool
-) -> Any:
-    condition: ColumnElement[bool] = entry_state.prunable_where(
-        table,
-        users,
-        agent_cutoffs={agent: _cutoff(policy, at) for agent, policy in book.agents.items()},
-        default_cutoff=_cutoff(book.default, at),
-        owners=None,
-        protected_categories=settings.protected_category_set,
-        last_access_column=settings.memory_last_access_column,
-        array=array,
-    )
-    return condition
-
-
 def budget_for(settings: Settings) -> int:
     return settings.profile_token_budget
 
@@ -282,7 +264,9 @@ def plan(
         session,
         table,
         changed,
-        stale=_stale_where(settings, table, changed, book, at, array=session.get_bind().dialect.name == "postgresql"),
+        agent_cutoffs={agent: _cutoff(policy, at) for agent, policy in book.agents.items()},
+        default_cutoff=_cutoff(book.default, at),
+        protected_categories=settings.protected_category_set,
         last_access_column=settings.memory_last_access_column,
     )
     by_user: dict[str, list[Any]] = {u: [] for u in changed}

@@ -709,7 +709,13 @@ def test_postgresql_ranks_the_rows_exactly_as_the_documented_order(pg_settings: 
         session.add_all(recalls)
     with session_scope(pg_settings) as session:
         read, ranked = profile_store.entries_for_build(
-            session, table, ["u1"], stale=table.c.id.is_(None), last_access_column=None
+            session,
+            table,
+            ["u1"],
+            agent_cutoffs={},
+            default_cutoff=None,
+            protected_categories=(),
+            last_access_column=None,
         )
     assert ranked and len(read) == 300
     assert [r.id for r in read] == [r.id for r in sorted(read, key=profiles.rank_key)]
@@ -816,3 +822,51 @@ def test_the_one_statement_look_at_who_changed_agrees_with_comparing_fingerprint
     # f4 has no rows left: its agent-less profile holds the empty fingerprint, not changed since.
     assert looks() == ([], [])
     assert _stored(pg_settings, "f4")[""].source_rows == 0
+
+
+def test_each_agents_policy_decides_which_of_its_entries_are_stale_in_its_profile(pg_settings: Settings) -> None:
+    # The read is built once per shape of the policies, the cutoffs bound when it runs:
+    # two books of different shapes, and one shape with other cutoffs, each judged right.
+    seed(
+        pg_settings,
+        [
+            entry("u1", "a_note", "a-60-days", visibility="group", agent="agent-a", age_days=60),
+            entry("u1", "b_note", "b-200-days", visibility="group", agent="agent-b", age_days=200),
+            entry("u1", "c_note", "c-60-days", visibility="group", agent="agent-c", age_days=60),
+            entry("u1", "shared_note", "global-100-days", visibility="global", agent=None, age_days=100),
+        ],
+    )
+
+    def shown(configs: dict[str, dict[str, Any]], settings: Settings = pg_settings) -> dict[str, set[str]]:
+        with session_scope(settings) as session:
+            read = profiles.plan(session, settings, ["u1"], book=book(settings, configs), changed=["u1"])
+        composed = profiles.compose(settings, read, book=book(settings, configs))
+        values = ("a-60-days", "b-200-days", "c-60-days", "global-100-days")
+        return {r["agent_id"]: {v for v in values if v in r["text"]} for r in composed.rows["u1"]}
+
+    # Defaults (90 days) for everyone.
+    assert shown({}) == {
+        "": set(),
+        "agent-a": {"a-60-days"},
+        "agent-c": {"c-60-days"},
+    }
+    # agent-a prunes after 30 days, agent-b never: another shape.
+    assert shown({"agent-a": {"pruneStaleAfterDays": 30}, "agent-b": {"pruneStaleAfterDays": 0}}) == {
+        "": set(),
+        "agent-b": {"b-200-days"},
+        "agent-c": {"c-60-days"},
+    }
+    # The same shape, other cutoffs: agent-a after 90 days, agent-b still never.
+    assert shown({"agent-a": {"pruneStaleAfterDays": 90}, "agent-b": {"pruneStaleAfterDays": 0}}) == {
+        "": set(),
+        "agent-a": {"a-60-days"},
+        "agent-b": {"b-200-days"},
+        "agent-c": {"c-60-days"},
+    }
+    # Nobody prunes by default, agent-a after 30 days: the default shape without a cutoff.
+    never = pg_settings.model_copy(update={"prune_stale_after_days": 0})
+    assert shown({"agent-a": {"pruneStaleAfterDays": 30}}, never) == {
+        "": {"global-100-days"},
+        "agent-b": {"b-200-days", "global-100-days"},
+        "agent-c": {"c-60-days", "global-100-days"},
+    }
