@@ -116,8 +116,17 @@ def read_entries(rows: Sequence[Any], *, ranked: bool) -> list[Entry]:
 
 
 def _read_entry(row: Any) -> Entry:
-    _, _, key, value_json, category, visibility, owner, conflicted, *_ = row
+    key, value_json, category, visibility, owner, conflicted = _SHOWN(row)
     return _entry(key, fmt.json_value_text(value_json), category, visibility, owner, conflicted=conflicted)
+
+
+#: The columns of a build's row (``store.profiles.BUILD_COLUMNS``) a line is made of.
+_SHOWN = itemgetter(
+    *(
+        profile_store.BUILD_COLUMNS.index(name)
+        for name in ("key", "value_json", "category", "visibility", "source_agent_id", "conflicted")
+    )
+)
 
 
 def _entry(
@@ -174,6 +183,11 @@ def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: lis
     """:func:`build_ranked` of the ranked entries' lines, already counted."""
     total = len(lines)
     layout = Layout(lines, headers, count(fmt.left_out_line(total)) if total else 0, total)
+    if by_lines:
+        whole = fmt.whole_if_fits(layout, budget)
+        if whole is not None:
+            # Every line fits in one counting window: the text's count is its parts'.
+            return Built(whole[0], whole[1], budget, total, 0, layout)
     kept = fmt.cut(layout, budget)
     text, tokens = _counted(lines, kept, total, headers, count=count, by_lines=by_lines)
     while tokens > budget and kept > 0:

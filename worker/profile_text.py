@@ -62,7 +62,7 @@ class Layout:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "lines": [[line.section, line.tokens, line.text] for line in self.lines],
+            "lines": list(map(list, self.lines)),  # [section, tokens, text] each
             "headers": list(self.header_tokens),
             "left_out_line": self.left_out_tokens,
             "total": self.total,
@@ -279,6 +279,32 @@ def cut(layout: Layout, budget: int) -> int:
         if total_tokens + WINDOW_SLACK_TOKENS * (total_chars // COUNT_WINDOW_CHARS) <= budget:
             best = kept
     return best
+
+
+def whole_if_fits(layout: Layout, budget: int) -> tuple[str, int] | None:
+    """The text of every line of the layout and its tokens, when the whole text fits
+    ``budget`` and one counting window (then its count is exactly its parts' counts, for
+    a counter whose text counts are made from its lines': see :func:`windowed_tokens`);
+    else None. What :func:`cut` and :func:`pieces` would give, in one pass."""
+    lines = layout.lines
+    if len(lines) < layout.total:
+        return None
+    parts: list[str] = []
+    tokens = chars = 0
+    current = -1
+    for section, line_tokens, text in _by_section(lines):
+        if section != current:
+            current = section
+            header = _HEADER_LINES[section]
+            parts.append(header)
+            tokens += layout.header_tokens[section]
+            chars += len(header)
+        parts.append(text)
+        tokens += line_tokens
+        chars += len(text)
+    if tokens > budget or chars > COUNT_WINDOW_CHARS:
+        return None
+    return "".join(parts), tokens
 
 
 def _fits_whole(layout: Layout, budget: int) -> bool:
