@@ -119,34 +119,44 @@ def compare_fingerprints(session: Session, table: Table, users: Sequence[str]) -
             int(row.rows), row.updated_at, int(row.recalls or 0), int(row.conflicted or 0), int(row.content or 0)
         )
         for row in session.execute(
-            select(
-                table.c.user_id,
-                func.count().label("rows"),
-                func.max(table.c.updated_at).label("updated_at"),
-                func.sum(func.coalesce(table.c.access_count, 0)).label("recalls"),
-                func.sum(case((table.c.conflicted.is_(True), 1), else_=0)).label("conflicted"),
-                func.sum(content_hash(session, table)).label("content"),
-            )
-            .where(among(session, table.c.user_id, users))
-            .group_by(table.c.user_id)
+            _current_fingerprints(table, among(session, table.c.user_id, users), content_hash(session, table))
         )
     }
     built = {
         row.user_id: Fingerprint(
             row.source_rows, row.source_updated_at, row.source_recalls, row.source_conflicted, row.source_content
         )
-        for row in session.execute(
-            select(
-                Profile.user_id,
-                Profile.source_rows,
-                Profile.source_updated_at,
-                Profile.source_recalls,
-                Profile.source_conflicted,
-                Profile.source_content,
-            ).where(among(session, Profile.user_id, users), Profile.agent_id == NO_AGENT)
-        )
+        for row in session.execute(_stored_fingerprints(among(session, Profile.user_id, users)))
     }
     return [u for u in users if (u in current or u in built) and current.get(u, Fingerprint()) != built.get(u)]
+
+
+def _current_fingerprints(table: Table, of_users: ColumnElement[bool], hashed: ColumnElement[Any]) -> Select[Any]:
+    """Each of the users' fingerprint now, from their rows (one row per user with rows)."""
+    return (
+        select(
+            table.c.user_id.label("user_id"),
+            func.count().label("rows"),
+            func.max(table.c.updated_at).label("updated_at"),
+            func.sum(func.coalesce(table.c.access_count, 0)).label("recalls"),
+            func.sum(case((table.c.conflicted.is_(True), 1), else_=0)).label("conflicted"),
+            func.sum(hashed).label("content"),
+        )
+        .where(of_users)
+        .group_by(table.c.user_id)
+    )
+
+
+def _stored_fingerprints(of_users: ColumnElement[bool]) -> Select[Any]:
+    """The fingerprint each of the users' profiles were built from (kept on the agent-less one)."""
+    return select(
+        Profile.user_id,
+        Profile.source_rows,
+        Profile.source_updated_at,
+        Profile.source_recalls,
+        Profile.source_conflicted,
+        Profile.source_content,
+    ).where(of_users, Profile.agent_id == NO_AGENT)
 
 
 @lru_cache(maxsize=8)
@@ -156,31 +166,8 @@ def _changed_statement(table: Table) -> Select[tuple[str]]:
     stored with their agent-less profile, a user with no rows counting as the empty
     fingerprint (as :class:`Fingerprint` does)."""
     ids = bindparam("ids", type_=ARRAY(String))
-    current = (
-        select(
-            table.c.user_id.label("user_id"),
-            func.count().label("rows"),
-            func.max(table.c.updated_at).label("updated_at"),
-            func.sum(func.coalesce(table.c.access_count, 0)).label("recalls"),
-            func.sum(case((table.c.conflicted.is_(True), 1), else_=0)).label("conflicted"),
-            func.sum(_pg_content_hash(table)).label("content"),
-        )
-        .where(table.c.user_id == any_(ids))
-        .group_by(table.c.user_id)
-        .subquery("current")
-    )
-    built = (
-        select(
-            Profile.user_id,
-            Profile.source_rows,
-            Profile.source_updated_at,
-            Profile.source_recalls,
-            Profile.source_conflicted,
-            Profile.source_content,
-        )
-        .where(Profile.user_id == any_(ids), Profile.agent_id == NO_AGENT)
-        .subquery("built")
-    )
+    current = _current_fingerprints(table, table.c.user_id == any_(ids), _pg_content_hash(table)).subquery("current")
+    built = _stored_fingerprints(Profile.user_id == any_(ids)).subquery("built")
     now = tuple_(
         func.coalesce(current.c.rows, 0),
         current.c.updated_at,

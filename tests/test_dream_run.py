@@ -25,7 +25,7 @@ from worker.errors import DatabaseUnavailable
 from worker.settings import Settings
 
 REVERIE = str(Path(sys.executable).with_name("reverie"))
-CONTRACT_KEYS = {
+RUN_JSON_KEYS = {
     "users_processed",
     "entries_pruned",
     "contradictions_found",
@@ -104,7 +104,7 @@ def test_reverie_run_json_has_the_contract_keys(pg_settings: Settings) -> None:
     )
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
-    assert set(data) >= CONTRACT_KEYS
+    assert set(data) >= RUN_JSON_KEYS
     assert (data["users_processed"], data["entries_pruned"]) == (2, 1)
     with session_scope(pg_settings) as session:
         assert sorted(data["run_ids"]) == sorted(session.scalars(select(Run.id)))

@@ -14,18 +14,6 @@ from worker.cli.common import app, fail, load_settings
 policy_app = typer.Typer(help="Per-agent dream policy (EDDI dreamConfig field names).", no_args_is_help=True)
 app.add_typer(policy_app, name="policy")
 
-CONTRACT_KEYS = (
-    "users_processed",
-    "entries_pruned",
-    "contradictions_found",
-    "entries_summarized",
-    "signals_processed",
-    "signals_rejected",
-    "signals_failed",
-    "cost_usd",
-    "run_ids",
-)
-
 
 @app.command()
 def run(
