@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     DateTime,
+    FromClause,
     Select,
     String,
     Table,
@@ -36,6 +37,7 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
 from store.bulk import insert_rows
@@ -99,21 +101,119 @@ def _pg_content_hash(table: Table) -> ColumnElement[Any]:
     return func.hashtext(func.concat_ws("\x1f", *_shown_parts(table)))
 
 
-def changed_users(session: Session, table: Table, user_ids: Collection[str]) -> list[str]:
-    """The users among ``user_ids`` whose rows differ from what their profiles were
-    built from (or who have rows and no profile yet). On PostgreSQL one statement
-    compares the fingerprints and returns the changed users only; elsewhere two
-    set-based statements read them and they are compared here."""
+@dataclass(frozen=True)
+class BuildRead:
+    """What a build reads: the users whose memory changed (sorted), the fingerprint of
+    each one's rows as read, and each one's shown rows (not stale), whose first columns
+    are ``SHOWN_COLUMNS``; ``ranked``: the rows of each user come in the profiles'
+    documented order (see :func:`rank_order`), else by id and carrying every column of
+    ``BUILD_COLUMNS``, for the builder to rank."""
+
+    users: list[str]
+    prints: dict[str, Fingerprint]
+    rows: dict[str, list[Any]]
+    ranked: bool
+
+
+def read_for_build(
+    session: Session,
+    table: Table,
+    user_ids: Collection[str],
+    *,
+    changed: Collection[str] = (),
+    agent_cutoffs: Mapping[str, datetime | None],
+    default_cutoff: datetime | None,
+    protected_categories: Collection[str],
+    last_access_column: str | None,
+) -> BuildRead:
+    """The users among ``user_ids`` whose rows differ from what their profiles were built
+    from (or who have rows and no profile yet), with ``changed`` (users known to have
+    changed) counted in whatever their fingerprint says, and their rows. Stale rows
+    (pruning would remove them: the cutoffs and protection as
+    :func:`store.entry_state.prunable_where` takes them) count in the fingerprint and
+    are not returned.
+
+    On PostgreSQL this is one statement, built once for each shape of the policies
+    (which agents prune), with the users and cutoffs as its parameters: each row is read
+    and hashed once, the fingerprints are compared there, and only the changed users'
+    shown rows come back, ranked and with the columns a line needs. Elsewhere the
+    fingerprints are compared here (:func:`compare_fingerprints`) and the changed users'
+    rows are read by :func:`entries_for_build`."""
     users = sorted(set(user_ids))
     if not users:
-        return []
+        return BuildRead([], {}, {}, ranked=False)
+    policy: dict[str, Any] = {
+        "agent_cutoffs": agent_cutoffs,
+        "default_cutoff": default_cutoff,
+        "protected_categories": protected_categories,
+        "last_access_column": last_access_column,
+    }
     if session.get_bind().dialect.name == "postgresql":
-        return sorted(session.connection().execute(_changed_statement(table), {"ids": users}).scalars())
-    return compare_fingerprints(session, table, users)
+        return _read_for_build_pg(session, table, users, sorted(set(changed) & set(users)), **policy)
+    known = set(changed) & set(users)
+    looked = set(compare_fingerprints(session, table, sorted(set(users) - known)))
+    changed_users = sorted(known | looked)
+    if not changed_users:
+        return BuildRead([], {}, {}, ranked=False)
+    rows: dict[str, list[Any]] = {u: [] for u in changed_users}
+    for row in entries_for_build(session, table, changed_users, **policy):
+        rows[row.user_id].append(row)
+    prints = {u: Fingerprint.of(mine) for u, mine in rows.items()}
+    shown = {u: [row for row in mine if not row.stale] for u, mine in rows.items()}
+    return BuildRead(changed_users, prints, shown, ranked=False)
+
+
+def _read_for_build_pg(
+    session: Session,
+    table: Table,
+    users: list[str],
+    changed: list[str],
+    *,
+    agent_cutoffs: Mapping[str, datetime | None],
+    default_cutoff: datetime | None,
+    protected_categories: Collection[str],
+    last_access_column: str | None,
+) -> BuildRead:
+    agents = tuple((agent, cutoff is not None) for agent, cutoff in agent_cutoffs.items())
+    sql, defaults = _pg_build_sql(
+        session.get_bind().dialect,
+        table,
+        agents=agents,
+        default_prunes=default_cutoff is not None,
+        protected_categories=tuple(sorted(protected_categories)),
+        last_access_column=last_access_column,
+    )
+    params = {**defaults, "ids": users, "changed": changed, "cutoff_default": default_cutoff}
+    params.update((f"cutoff_{i}", cutoff) for i, cutoff in enumerate(agent_cutoffs.values()))
+    # On the session's own connection (its transaction), as plain tuples: the read is
+    # of every shown row of every changed user, and making a result row of each costs
+    # as much as reading it.
+    raw = session.connection().connection.driver_connection
+    assert raw is not None
+    with raw.cursor() as cursor:
+        fetched = cursor.execute(sql, params).fetchall()
+    prints: dict[str, Fingerprint] = {}
+    rows: dict[str, list[Any]] = {}
+    mine: list[Any] = []
+    current = None
+    for row in fetched:
+        user_id = row[0]
+        if user_id != current:
+            current = user_id
+            mine = rows[user_id] = []
+            rows_, updated_at, recalls, conflicted, content = row[_PRINT_AT:]
+            prints[user_id] = Fingerprint(int(rows_), updated_at, int(recalls), int(conflicted), int(content))
+        if row[_ID_AT] is not None:  # None: no shown row (the user's one row of the outer join)
+            mine.append(row)
+    return BuildRead(sorted(rows), prints, rows, ranked=True)
 
 
 def compare_fingerprints(session: Session, table: Table, users: Sequence[str]) -> list[str]:
-    """:func:`changed_users` as two statements and a comparison here (any database)."""
+    """The users among ``users`` whose rows differ from what their profiles were built
+    from (or who have rows and no profile yet): their fingerprints read by two
+    set-based statements and compared here (any database)."""
+    if not users:
+        return []
     current = {
         row.user_id: Fingerprint(
             int(row.rows), row.updated_at, int(row.recalls or 0), int(row.conflicted or 0), int(row.content or 0)
@@ -131,20 +231,19 @@ def compare_fingerprints(session: Session, table: Table, users: Sequence[str]) -
     return [u for u in users if (u in current or u in built) and current.get(u, Fingerprint()) != built.get(u)]
 
 
-def _current_fingerprints(table: Table, of_users: ColumnElement[bool], hashed: ColumnElement[Any]) -> Select[Any]:
+def _current_fingerprints(
+    rows: FromClause, of_users: ColumnElement[bool] | None, hashed: ColumnElement[Any]
+) -> Select[Any]:
     """Each of the users' fingerprint now, from their rows (one row per user with rows)."""
-    return (
-        select(
-            table.c.user_id.label("user_id"),
-            func.count().label("rows"),
-            func.max(table.c.updated_at).label("updated_at"),
-            func.sum(func.coalesce(table.c.access_count, 0)).label("recalls"),
-            func.sum(case((table.c.conflicted.is_(True), 1), else_=0)).label("conflicted"),
-            func.sum(hashed).label("content"),
-        )
-        .where(of_users)
-        .group_by(table.c.user_id)
-    )
+    stmt = select(
+        rows.c.user_id.label("user_id"),
+        func.count().label("rows"),
+        func.max(rows.c.updated_at).label("updated_at"),
+        func.sum(func.coalesce(rows.c.access_count, 0)).label("recalls"),
+        func.sum(case((rows.c.conflicted.is_(True), 1), else_=0)).label("conflicted"),
+        func.sum(hashed).label("content"),
+    ).group_by(rows.c.user_id)
+    return stmt if of_users is None else stmt.where(of_users)
 
 
 def _stored_fingerprints(of_users: ColumnElement[bool]) -> Select[Any]:
@@ -159,16 +258,49 @@ def _stored_fingerprints(of_users: ColumnElement[bool]) -> Select[Any]:
     ).where(of_users, Profile.agent_id == NO_AGENT)
 
 
-@lru_cache(maxsize=8)
-def _changed_statement(table: Table) -> Select[tuple[str]]:
-    """:func:`changed_users` as one PostgreSQL statement (built once per table; the users
-    are its one parameter, ``ids``): each user's current fingerprint against the one
-    stored with their agent-less profile, a user with no rows counting as the empty
-    fingerprint (as :class:`Fingerprint` does)."""
-    ids = bindparam("ids", type_=ARRAY(String))
-    current = _current_fingerprints(table, table.c.user_id == any_(ids), _pg_content_hash(table)).subquery("current")
+@lru_cache(maxsize=64)
+def _pg_build_sql(
+    dialect: Dialect,
+    table: Table,
+    *,
+    agents: tuple[tuple[str, bool], ...],
+    default_prunes: bool,
+    protected_categories: tuple[str, ...],
+    last_access_column: str | None,
+) -> tuple[str, dict[str, Any]]:
+    """:func:`read_for_build`'s PostgreSQL statement for one shape of the policies
+    (``agents``: each agent with a policy of its own, and whether it prunes), as the
+    SQL of the session's driver (``dialect``) and the values of its constant parameters. Its parameters: ``ids``
+    (the users), ``changed`` (those known to have changed), ``cutoff_<i>`` (the i-th
+    agent's cutoff) and ``cutoff_default``.
+
+    ``entries`` is each user's rows, read and hashed once; ``current`` their
+    fingerprints; ``changed`` the users whose fingerprint differs from the one stored
+    with their agent-less profile (a user with no rows counting as the empty
+    fingerprint, as :class:`Fingerprint` does), with their fingerprint; and each changed
+    user's shown rows come out ranked (one row of NULLs for a user with none), each
+    carrying the user's fingerprint (``PRINT_COLUMNS``)."""
+    ids = bindparam("ids", None, type_=ARRAY(String))  # values: given when it runs
+    stale = prunable_where(
+        table,
+        ids,
+        agent_cutoffs={
+            agent: bindparam(f"cutoff_{i}", None, type_=DateTime()) if prunes else None
+            for i, (agent, prunes) in enumerate(agents)
+        },
+        default_cutoff=bindparam("cutoff_default", None, type_=DateTime()) if default_prunes else None,
+        owners=None,
+        protected_categories=protected_categories,
+        last_access_column=last_access_column,
+        array=True,
+    )
+    entries = _build_statement(
+        table, table.c.user_id == any_(ids), stale, last_access_column, _pg_content_hash(table)
+    ).cte("entries")
+    current = _current_fingerprints(entries, None, entries.c.content_hash).subquery("current")
     built = _stored_fingerprints(Profile.user_id == any_(ids)).subquery("built")
-    now = tuple_(
+    user_id = func.coalesce(current.c.user_id, built.c.user_id)
+    now = (
         func.coalesce(current.c.rows, 0),
         current.c.updated_at,
         func.coalesce(current.c.recalls, 0),
@@ -182,11 +314,27 @@ def _changed_statement(table: Table) -> Select[tuple[str]]:
         built.c.source_conflicted,
         built.c.source_content,
     )
-    return (
-        select(func.coalesce(current.c.user_id, built.c.user_id))
+    known = bindparam("changed", None, type_=ARRAY(String))
+    changed = (
+        select(user_id.label("user_id"), *(value.label(name) for value, name in zip(now, PRINT_COLUMNS, strict=True)))
         .select_from(current.join(built, current.c.user_id == built.c.user_id, full=True))
-        .where(now.is_distinct_from(then))
+        .where(or_(tuple_(*now).is_distinct_from(then), user_id == any_(known)))
+        .subquery("changed")
     )
+    stmt = (
+        select(
+            changed.c.user_id,
+            *(entries.c[name] for name in SHOWN_COLUMNS[1:]),
+            entries.c.id,
+            *(changed.c[name] for name in PRINT_COLUMNS),
+        )
+        .select_from(changed.outerjoin(entries, and_(entries.c.user_id == changed.c.user_id, ~entries.c.stale)))
+        .order_by(changed.c.user_id, *rank_order(entries, entries.c.last_recalled_at))
+    )
+    # Lists of constants (``IN``) rendered as one parameter each, once, here.
+    compiled = stmt.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+    defaults = {name: value for name, value in compiled.params.items() if value is not None}
+    return compiled.string, defaults
 
 
 def entries_for_build(
@@ -198,29 +346,17 @@ def entries_for_build(
     default_cutoff: datetime | None,
     protected_categories: Collection[str],
     last_access_column: str | None,
-) -> tuple[list[Any], bool]:
-    """Every row of the users, with ``last_recalled_at`` (Reverie's recall look, or the
-    host's last-access column where later), ``stale`` (pruning would remove it: the
-    cutoffs and protection as :func:`store.entry_state.prunable_where` takes them), and
+) -> list[Any]:
+    """Every row of the users (stale ones too), by user and id, with the columns of
+    ``BUILD_COLUMNS``: ``last_recalled_at`` (Reverie's recall look, or the host's
+    last-access column where later), ``stale`` (pruning would remove it: the cutoffs and
+    protection as :func:`store.entry_state.prunable_where` takes them), and
     ``value_json``, the value as JSON text (the builder shows it without a JSON object
-    made of it where it can). Read in the order of ``BUILD_COLUMNS``.
-
-    Returns the rows and whether they come ranked: on PostgreSQL the rows of each user
-    come in the profiles' documented order (see :func:`rank_order`), so the builder does
-    not rank them; elsewhere they come by user and id, and the builder ranks them. On
-    PostgreSQL the statement is built once for each shape of the policies (which agents
-    prune), and the users and cutoffs are its parameters."""
+    made of it where it can). Any database; :func:`read_for_build` reads PostgreSQL's
+    in one statement with the look at who changed."""
     users = sorted(set(user_ids))
     if not users:
-        return [], False
-    if session.get_bind().dialect.name == "postgresql":
-        agents = tuple((agent, cutoff is not None) for agent, cutoff in agent_cutoffs.items())
-        stmt = _pg_build_statement(
-            table, agents, default_cutoff is not None, tuple(sorted(protected_categories)), last_access_column
-        )
-        params: dict[str, Any] = {"ids": users, "cutoff_default": default_cutoff}
-        params.update((f"cutoff_{i}", cutoff) for i, cutoff in enumerate(agent_cutoffs.values()))
-        return list(session.connection().execute(stmt, params).all()), True
+        return []
     stale = prunable_where(
         table,
         users,
@@ -231,41 +367,10 @@ def entries_for_build(
         last_access_column=last_access_column,
     )
     stmt = _build_statement(
-        table, table.c.user_id.in_(users), stale, last_access_column, content_hash(session, table), ranked=False
-    )
+        table, table.c.user_id.in_(users), stale, last_access_column, content_hash(session, table)
+    ).order_by(table.c.user_id, table.c.id)
     # Through the connection: plain rows, without the ORM's loading of each one.
-    return list(session.connection().execute(stmt).all()), False
-
-
-@lru_cache(maxsize=64)
-def _pg_build_statement(
-    table: Table,
-    agents: tuple[tuple[str, bool], ...],
-    default_prunes: bool,
-    protected_categories: tuple[str, ...],
-    last_access_column: str | None,
-) -> Select[Any]:
-    """:func:`entries_for_build`'s PostgreSQL statement for one shape of the policies
-    (``agents``: each agent with a policy of its own, and whether it prunes), with the
-    parameters ``ids`` (the users), ``cutoff_<i>`` (the i-th agent's cutoff) and
-    ``cutoff_default``."""
-    ids = bindparam("ids", type_=ARRAY(String))
-    stale = prunable_where(
-        table,
-        ids,
-        agent_cutoffs={
-            agent: bindparam(f"cutoff_{i}", type_=DateTime()) if prunes else None
-            for i, (agent, prunes) in enumerate(agents)
-        },
-        default_cutoff=bindparam("cutoff_default", type_=DateTime()) if default_prunes else None,
-        owners=None,
-        protected_categories=protected_categories,
-        last_access_column=last_access_column,
-        array=True,
-    )
-    return _build_statement(
-        table, table.c.user_id == any_(ids), stale, last_access_column, _pg_content_hash(table), ranked=True
-    )
+    return list(session.connection().execute(stmt).all())
 
 
 def _build_statement(
@@ -274,9 +379,8 @@ def _build_statement(
     stale: ColumnElement[bool],
     last_access_column: str | None,
     hashed: ColumnElement[Any],
-    *,
-    ranked: bool,
 ) -> Select[Any]:
+    """The users' rows with the columns of ``BUILD_COLUMNS``, in that order."""
     recalled: ColumnElement[Any] = EntryState.__table__.c.last_recalled_at
     if last_access_column:
         accessed = table.c[last_access_column]
@@ -285,11 +389,8 @@ def _build_statement(
             (or_(accessed.is_(None), accessed < EntryState.last_recalled_at), EntryState.last_recalled_at),
             else_=accessed,
         )
-    order: list[ColumnElement[Any]] = [table.c.user_id]
-    order += rank_order(table, recalled) if ranked else [table.c.id]
     return (
         select(
-            table.c.id,
             table.c.user_id,
             table.c.key,
             cast(table.c.value, Text).label("value_json"),
@@ -297,6 +398,7 @@ def _build_statement(
             table.c.visibility,
             table.c.source_agent_id,
             table.c.conflicted,
+            table.c.id,
             table.c.access_count,
             table.c.created_at,
             table.c.updated_at,
@@ -308,20 +410,15 @@ def _build_statement(
             table.outerjoin(EntryState, and_(EntryState.entry_id == table.c.id, EntryState.user_id == table.c.user_id))
         )
         .where(of_users)
-        .order_by(*order)
     )
 
 
-#: The positions of :func:`entries_for_build`'s columns (the builder reads rows by position).
+#: The columns a line is made of, first in every row a build reads (the builder reads them by position).
+SHOWN_COLUMNS = ("user_id", "key", "value_json", "category", "visibility", "source_agent_id", "conflicted")
+#: The columns of :func:`entries_for_build`'s rows, in order.
 BUILD_COLUMNS = (
+    *SHOWN_COLUMNS,
     "id",
-    "user_id",
-    "key",
-    "value_json",
-    "category",
-    "visibility",
-    "source_agent_id",
-    "conflicted",
     "access_count",
     "created_at",
     "updated_at",
@@ -329,6 +426,10 @@ BUILD_COLUMNS = (
     "content_hash",
     "stale",
 )
+#: A fingerprint's parts, as :func:`read_for_build`'s PostgreSQL rows carry them after the row's id.
+PRINT_COLUMNS = ("rows", "updated_at", "recalls", "conflicted", "content")
+_ID_AT = len(SHOWN_COLUMNS)
+_PRINT_AT = _ID_AT + 1
 _conflicted, _access_count, _updated_at, _content_hash = (
     itemgetter(BUILD_COLUMNS.index(name)) for name in ("conflicted", "access_count", "updated_at", "content_hash")
 )
@@ -338,21 +439,22 @@ CATEGORY_PRIORITY = {"property": 0, "fact": 1, "preference": 2, "context": 3, "l
 OTHER_CATEGORY_PRIORITY = 4
 
 
-def rank_order(table: Table, recalled: ColumnElement[Any]) -> list[ColumnElement[Any]]:
-    """The profiles' ranking as PostgreSQL ``ORDER BY`` terms, most important first:
+def rank_order(rows: FromClause, recalled: ColumnElement[Any]) -> list[ColumnElement[Any]]:
+    """The profiles' ranking as PostgreSQL ``ORDER BY`` terms over ``rows`` (the memory
+    table's columns), most important first:
     the day of the latest of updated, created and recalled (newest first, none last),
     recalls, category priority, that exact time, then key and id in code-point order
     (``COLLATE "C"``: UTF-8 byte order is code-point order, as Python compares text).
     ``tasks.profiles.rank_key`` is the same order in Python; a test holds them equal."""
-    touched = func.greatest(table.c.updated_at, table.c.created_at, recalled)
-    category = func.lower(func.coalesce(table.c.category, "fact"))
+    touched = func.greatest(rows.c.updated_at, rows.c.created_at, recalled)
+    category = func.lower(func.coalesce(rows.c.category, "fact"))
     return [
         func.date_trunc("day", touched).desc().nulls_last(),
-        func.coalesce(table.c.access_count, 0).desc(),
+        func.coalesce(rows.c.access_count, 0).desc(),
         case(CATEGORY_PRIORITY, value=category, else_=OTHER_CATEGORY_PRIORITY),
         touched.desc().nulls_last(),
-        table.c.key.collate("C"),
-        table.c.id.collate("C"),
+        rows.c.key.collate("C"),
+        rows.c.id.collate("C"),
     ]
 
 

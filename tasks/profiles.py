@@ -106,7 +106,7 @@ def ranked_entries(rows: Sequence[Any]) -> list[Entry]:
 
 
 def read_entries(rows: Sequence[Any], *, ranked: bool) -> list[Entry]:
-    """The lines of rows read by ``store.profiles.entries_for_build`` (their value as
+    """The lines of rows a build read (``store.profiles.read_for_build``: their value as
     JSON text), in the documented order: the database's where it ranked them."""
     if not ranked:
         keyed = [(rank_key(row), _read_entry(row)) for row in rows]
@@ -120,13 +120,8 @@ def _read_entry(row: Any) -> Entry:
     return _entry(key, fmt.json_value_text(value_json), category, visibility, owner, conflicted=conflicted)
 
 
-#: The columns of a build's row (``store.profiles.BUILD_COLUMNS``) a line is made of.
-_SHOWN = itemgetter(
-    *(
-        profile_store.BUILD_COLUMNS.index(name)
-        for name in ("key", "value_json", "category", "visibility", "source_agent_id", "conflicted")
-    )
-)
+#: The columns of a build's row a line is made of (``store.profiles.SHOWN_COLUMNS``, after the user's id).
+_SHOWN = itemgetter(*range(1, len(profile_store.SHOWN_COLUMNS)))
 
 
 def _entry(
@@ -141,7 +136,6 @@ def _entry(
 
 
 _first = itemgetter(0)
-_USER_ID, _STALE = profile_store.BUILD_COLUMNS.index("user_id"), profile_store.BUILD_COLUMNS.index("stale")
 
 
 def visible_lines(lines: Sequence[Line], ranked: Sequence[Entry], agent_id: str) -> list[Line]:
@@ -222,13 +216,15 @@ def budget_for(settings: Settings) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a refresh read: the users whose memory changed, their rows (with ``stale``;
-    ``ranked`` if they come in the profiles' order), the database's time of the read,
-    and the stored text of each of their profiles."""
+    """What a refresh read: the users whose memory changed, their shown rows (not
+    stale; ``ranked`` if they come in the profiles' order), the fingerprint of each
+    one's rows as read, the database's time of the read, and the stored text of each
+    of their profiles."""
 
     at: datetime
     users: list[str]
     rows: dict[str, list[Any]]
+    prints: dict[str, Fingerprint] = field(default_factory=dict)
     current: dict[tuple[str, str], str] = field(default_factory=dict)
     ranked: bool = False
 
@@ -266,28 +262,24 @@ def plan(
     """Read what a refresh needs, in the caller's (short) transaction: which users among
     ``user_ids`` changed since their profiles were built (a set-based look: unchanged
     ones cost nothing more; ``changed`` names users known to have changed, such as
-    those a run just pruned, which are not looked at), and their rows in one
-    statement. Staleness is judged on the database's clock, the one every host shares."""
+    those a run just pruned), and their rows: on PostgreSQL, all in one statement.
+    Staleness is judged on the database's clock, the one every host shares."""
     table = table_for(settings)
-    known = set(changed) & set(user_ids)
-    changed = sorted(known.union(profile_store.changed_users(session, table, set(user_ids) - known)))
     at = db_now(session)
-    if not changed:
-        return Plan(at, [], {})
-    rows, ranked = profile_store.entries_for_build(
+    found = profile_store.read_for_build(
         session,
         table,
-        changed,
+        user_ids,
+        changed=changed,
         agent_cutoffs={agent: _cutoff(policy, at) for agent, policy in book.agents.items()},
         default_cutoff=_cutoff(book.default, at),
         protected_categories=settings.protected_category_set,
         last_access_column=settings.memory_last_access_column,
     )
-    by_user: dict[str, list[Any]] = {u: [] for u in changed}
-    for row in rows:
-        by_user[row[_USER_ID]].append(row)
-    current = profile_store.texts(session, changed) if writes_with_model(book) else {}
-    return Plan(at, changed, by_user, current, ranked)
+    if not found.users:
+        return Plan(at, [], {})
+    current = profile_store.texts(session, found.users) if writes_with_model(book) else {}
+    return Plan(at, found.users, found.rows, found.prints, current, found.ranked)
 
 
 def writes_with_model(book: PolicyBook) -> bool:
@@ -311,12 +303,12 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
     # is built: together, where the tokenizer allows.
     entries: dict[str, list[Entry]] = {}
     for user_id in read.users:
-        entries[user_id] = read_entries([r for r in read.rows[user_id] if not r[_STALE]], ranked=read.ranked)
+        entries[user_id] = read_entries(read.rows[user_id], ranked=read.ranked)
     count.warm(e.text for mine in entries.values() for e in mine)
     headers = header_tokens(count)
     for user_id in read.users:
         # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
-        print_ = Fingerprint.of(read.rows[user_id])
+        print_ = read.prints[user_id]
         ranked = entries[user_id]
         lines = lines_of(ranked, count)
         agents = sorted({e.owner for e in ranked if e.owner} - {NO_AGENT})

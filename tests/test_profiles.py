@@ -707,18 +707,18 @@ def test_postgresql_ranks_the_rows_exactly_as_the_documented_order(pg_settings: 
     seed(pg_settings, rows)
     with session_scope(pg_settings) as session:
         session.add_all(recalls)
+    policy: dict[str, Any] = {
+        "agent_cutoffs": {},
+        "default_cutoff": None,
+        "protected_categories": (),
+        "last_access_column": None,
+    }
     with session_scope(pg_settings) as session:
-        read, ranked = profile_store.entries_for_build(
-            session,
-            table,
-            ["u1"],
-            agent_cutoffs={},
-            default_cutoff=None,
-            protected_categories=(),
-            last_access_column=None,
-        )
-    assert ranked and len(read) == 300
-    assert [r.id for r in read] == [r.id for r in sorted(read, key=profiles.rank_key)]
+        read = profile_store.read_for_build(session, table, ["u1"], **policy)
+        every = profile_store.entries_for_build(session, table, ["u1"], **policy)
+    assert read.ranked and read.users == ["u1"] and len(read.rows["u1"]) == len(every) == 300
+    id_at = profile_store.BUILD_COLUMNS.index("id")
+    assert [r[id_at] for r in read.rows["u1"]] == [r.id for r in sorted(every, key=profiles.rank_key)]
 
 
 _json_values = st.recursive(
@@ -792,16 +792,22 @@ def test_a_profile_write_that_fails_leaves_the_runs_closed_and_the_next_pass_bui
 
 
 def test_the_one_statement_look_at_who_changed_agrees_with_comparing_fingerprints(pg_settings: Settings) -> None:
-    from store.profiles import changed_users, compare_fingerprints
+    from store.profiles import BUILD_COLUMNS, Fingerprint, compare_fingerprints, entries_for_build, read_for_build
 
     users = [f"f{i}" for i in range(1, 8)]
     seed(pg_settings, [row for user in users for row in _world(user)])
     table = table_for(pg_settings)
+    policy: dict[str, Any] = {
+        "agent_cutoffs": {},
+        "default_cutoff": None,
+        "protected_categories": (),
+        "last_access_column": None,
+    }
 
     def looks() -> tuple[list[str], list[str]]:
         with session_scope(pg_settings) as session:
             both = (
-                changed_users(session, table, [*users, "nobody"]),
+                read_for_build(session, table, [*users, "nobody"], **policy).users,
                 sorted(compare_fingerprints(session, table, sorted([*users, "nobody"]))),
             )
         return both
@@ -818,6 +824,19 @@ def test_the_one_statement_look_at_who_changed_agrees_with_comparing_fingerprint
         session.execute(update(table).where(where["f5"]).values(updated_at=datetime(2030, 1, 1)))
         session.execute(update(table).where(where["f6"]).values(visibility="self"))
     assert looks() == (users[:6], users[:6])
+    # The fingerprint read in the one statement is the one of every row, stale ones too
+    # (under a cutoff that makes every unprotected, unrecalled row stale), which are not shown.
+    prunes = {**policy, "default_cutoff": datetime(2100, 1, 1)}
+    with session_scope(pg_settings) as session:
+        read = read_for_build(session, table, users, **prunes)
+        every = entries_for_build(session, table, users, **prunes)
+    assert read.users == users[:6] and read.rows["f4"] == []
+    for user in read.users:
+        mine = [row for row in every if row.user_id == user]
+        assert read.prints[user] == Fingerprint.of(mine)
+        id_at = BUILD_COLUMNS.index("id")
+        assert sorted(row[id_at] for row in read.rows[user]) == sorted(row.id for row in mine if not row.stale)
+    assert any(row.stale for row in every) and not all(row.stale for row in every)
     _refresh(pg_settings, users)
     # f4 has no rows left: its agent-less profile holds the empty fingerprint, not changed since.
     assert looks() == ([], [])
