@@ -31,9 +31,11 @@ from sqlalchemy import (
     delete,
     false,
     func,
+    null,
     or_,
     select,
     text,
+    true,
     tuple_,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -191,7 +193,12 @@ def _read_for_build_pg(
     raw = session.connection().connection.driver_connection
     assert raw is not None
     with raw.cursor() as cursor:
+        # Compiled just in time (its estimated cost for a chunk's users is over the
+        # default ``jit_above_cost``), the statement takes three times as long: JIT is
+        # off for it alone, and put back as it was for the rest of the transaction.
+        jit = cursor.execute(_JIT_OFF).fetchone()
         fetched = cursor.execute(sql, params).fetchall()
+        cursor.execute(_JIT_BACK, (jit[0] if jit else "on",))
     prints: dict[str, Fingerprint] = {}
     rows: dict[str, list[Any]] = {}
     mine: list[Any] = []
@@ -206,6 +213,10 @@ def _read_for_build_pg(
         if row[_ID_AT] is not None:  # None: no shown row (the user's one row of the outer join)
             mine.append(row)
     return BuildRead(sorted(rows), prints, rows, ranked=True)
+
+
+_JIT_OFF = "SELECT current_setting('jit'), set_config('jit', 'off', true)"
+_JIT_BACK = "SELECT set_config('jit', %s, true)"
 
 
 def compare_fingerprints(session: Session, table: Table, users: Sequence[str]) -> list[str]:
@@ -294,10 +305,7 @@ def _pg_build_sql(
         last_access_column=last_access_column,
         array=True,
     )
-    entries = _build_statement(
-        table, table.c.user_id == any_(ids), stale, last_access_column, _pg_content_hash(table)
-    ).cte("entries")
-    current = _current_fingerprints(entries, None, entries.c.content_hash).subquery("current")
+    current = _current_fingerprints(table, table.c.user_id == any_(ids), _pg_content_hash(table)).subquery("current")
     built = _stored_fingerprints(Profile.user_id == any_(ids)).subquery("built")
     user_id = func.coalesce(current.c.user_id, built.c.user_id)
     now = (
@@ -321,6 +329,14 @@ def _pg_build_sql(
         .where(or_(tuple_(*now).is_distinct_from(then), user_id == any_(known)))
         .subquery("changed")
     )
+    # Each changed user's shown rows, looked up by user (the rows of the others are only
+    # aggregated above), without their hash.
+    entries = (
+        _build_statement(table, table.c.user_id == changed.c.user_id, stale, last_access_column, None)
+        .where(_flag(stale).is_(False))
+        .offset(0)  # kept a subquery: an index lookup per changed user, not a scan of them all
+        .lateral("entries")
+    )
     stmt = (
         select(
             changed.c.user_id,
@@ -328,7 +344,7 @@ def _pg_build_sql(
             entries.c.id,
             *(changed.c[name] for name in PRINT_COLUMNS),
         )
-        .select_from(changed.outerjoin(entries, and_(entries.c.user_id == changed.c.user_id, ~entries.c.stale)))
+        .select_from(changed.outerjoin(entries, true()))
         .order_by(changed.c.user_id, *rank_order(entries, entries.c.last_recalled_at))
     )
     # Lists of constants (``IN``) rendered as one parameter each, once, here.
@@ -378,9 +394,10 @@ def _build_statement(
     of_users: ColumnElement[bool],
     stale: ColumnElement[bool],
     last_access_column: str | None,
-    hashed: ColumnElement[Any],
+    hashed: ColumnElement[Any] | None,
 ) -> Select[Any]:
-    """The users' rows with the columns of ``BUILD_COLUMNS``, in that order."""
+    """The users' rows with the columns of ``BUILD_COLUMNS``, in that order (a NULL
+    ``content_hash`` where ``hashed`` is None)."""
     recalled: ColumnElement[Any] = EntryState.__table__.c.last_recalled_at
     if last_access_column:
         accessed = table.c[last_access_column]
@@ -403,14 +420,19 @@ def _build_statement(
             table.c.created_at,
             table.c.updated_at,
             recalled.label("last_recalled_at"),
-            hashed.label("content_hash"),
-            func.coalesce(case((stale, True), else_=False), false()).label("stale"),
+            (null() if hashed is None else hashed).label("content_hash"),
+            _flag(stale).label("stale"),
         )
         .select_from(
             table.outerjoin(EntryState, and_(EntryState.entry_id == table.c.id, EntryState.user_id == table.c.user_id))
         )
         .where(of_users)
     )
+
+
+def _flag(condition: ColumnElement[bool]) -> ColumnElement[bool]:
+    """``condition`` as true or false (never NULL)."""
+    return func.coalesce(case((condition, True), else_=False), false())
 
 
 #: The columns a line is made of, first in every row a build reads (the builder reads them by position).

@@ -837,6 +837,11 @@ def test_the_one_statement_look_at_who_changed_agrees_with_comparing_fingerprint
         id_at = BUILD_COLUMNS.index("id")
         assert sorted(row[id_at] for row in read.rows[user]) == sorted(row.id for row in mine if not row.stale)
     assert any(row.stale for row in every) and not all(row.stale for row in every)
+    # JIT is off for the read alone: the caller's transaction gets its own setting back.
+    with session_scope(pg_settings) as session:
+        session.execute(sql_text("SET LOCAL jit = on"))
+        read_for_build(session, table, users, **prunes)
+        assert session.execute(sql_text("SELECT current_setting('jit')")).scalar() == "on"
     _refresh(pg_settings, users)
     # f4 has no rows left: its agent-less profile holds the empty fingerprint, not changed since.
     assert looks() == ([], [])
