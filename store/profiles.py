@@ -212,6 +212,10 @@ def _read_for_build_pg(
             prints[user_id] = Fingerprint(int(rows_), updated_at, int(recalls), int(conflicted), int(content))
         if row[_ID_AT] is not None:  # None: no shown row (the user's one row of the outer join)
             mine.append(row)
+    for user_id in changed:
+        # Known to have changed, with no rows and no profile: the empty fingerprint.
+        if user_id not in rows:
+            rows[user_id], prints[user_id] = [], Fingerprint()
     return BuildRead(sorted(rows), prints, rows, ranked=True)
 
 

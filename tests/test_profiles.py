@@ -837,6 +837,12 @@ def test_the_one_statement_look_at_who_changed_agrees_with_comparing_fingerprint
         id_at = BUILD_COLUMNS.index("id")
         assert sorted(row[id_at] for row in read.rows[user]) == sorted(row.id for row in mine if not row.stale)
     assert any(row.stale for row in every) and not all(row.stale for row in every)
+    # A user known to have changed is built whatever the look says, one with no rows and
+    # no profile too (from nothing, as elsewhere).
+    with session_scope(pg_settings) as session:
+        forced = read_for_build(session, table, ["f7", "ghost"], changed=["f7", "ghost"], **prunes)
+    assert forced.users == ["f7", "ghost"] and forced.rows["ghost"] == [] and forced.prints["ghost"] == Fingerprint()
+    assert forced.prints["f7"] == Fingerprint.of([row for row in every if row.user_id == "f7"])
     # JIT is off for the read alone: the caller's transaction gets its own setting back.
     with session_scope(pg_settings) as session:
         session.execute(sql_text("SET LOCAL jit = on"))
