@@ -7,6 +7,8 @@ from typing import Any
 from sqlalchemy import JSON, insert
 from sqlalchemy.orm import Session
 
+from store.db import driver_cursor
+
 
 def insert_rows(session: Session, model: Any, rows: list[dict[str, Any]]) -> int:
     """Insert ``rows`` (dicts of column values) into ``model``'s table in the session's
@@ -27,10 +29,8 @@ def insert_rows(session: Session, model: Any, rows: list[dict[str, Any]]) -> int
     if unknown:
         raise ValueError(f"not columns of {table.name}: {sorted(unknown)}")
     json_at = [i for i, name in enumerate(columns) if isinstance(table.columns[name].type, JSON)]
-    raw = session.connection().connection.driver_connection
-    assert raw is not None
     statement = f"COPY {table.name} ({', '.join(columns)}) FROM STDIN"  # names checked above
-    with raw.cursor() as cursor, cursor.copy(statement) as copy:
+    with driver_cursor(session) as cursor, cursor.copy(statement) as copy:
         for row in rows:
             values = [row[name] for name in columns]
             for i in json_at:

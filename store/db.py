@@ -201,6 +201,29 @@ def session_scope(settings: Settings) -> Iterator[Session]:
         session.close()
 
 
+@contextmanager
+def driver_cursor(session: Session) -> Iterator[Any]:
+    """A cursor of the session's own driver connection (in its transaction), for what the
+    driver does much faster than a statement through SQLAlchemy: ``COPY``, rows read as
+    plain tuples. Its errors come out as SQLAlchemy's do, and a connection it lost is
+    invalidated, as for any other statement, so :func:`translate_errors` and the pool
+    see them the same way."""
+    connection = session.connection()
+    raw: Any = connection.connection.dbapi_connection
+    assert raw is not None
+    dialect = connection.dialect
+    try:
+        with raw.cursor() as cursor:
+            yield cursor
+    except dialect.loaded_dbapi.Error as exc:
+        lost = dialect.is_disconnect(exc, raw, None)
+        if lost:
+            connection.invalidate(exc)
+        raise DBAPIError.instance(
+            None, None, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost, dialect=dialect
+        ) from exc
+
+
 def closing_transaction(
     settings: Settings,
     work: Callable[[Session], T],

@@ -43,6 +43,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
 from store.bulk import insert_rows
+from store.db import driver_cursor
 from store.entry_state import prunable_where, users_in
 from store.models import EntryState, Profile
 
@@ -138,9 +139,11 @@ def read_for_build(
     On PostgreSQL this is one statement, built once for each shape of the policies
     (which agents prune), with the users and cutoffs as its parameters: each row is read
     and hashed once, the fingerprints are compared there, and only the changed users'
-    shown rows come back, ranked and with the columns a line needs. Elsewhere the
-    fingerprints are compared here (:func:`compare_fingerprints`) and the changed users'
-    rows are read by :func:`entries_for_build`."""
+    shown rows come back, ranked and with the columns a line needs. Elsewhere, and on
+    a Citus cluster (whose planner does not take the one statement's per-user lookup,
+    a correlated subquery with ``OFFSET``), the fingerprints are compared here
+    (:func:`compare_fingerprints`) and the changed users' rows are read by
+    :func:`entries_for_build`."""
     users = sorted(set(user_ids))
     if not users:
         return BuildRead([], {}, {}, ranked=False)
@@ -150,7 +153,7 @@ def read_for_build(
         "protected_categories": protected_categories,
         "last_access_column": last_access_column,
     }
-    if session.get_bind().dialect.name == "postgresql":
+    if session.get_bind().dialect.name == "postgresql" and not _on_citus(session):
         return _read_for_build_pg(session, table, users, sorted(set(changed) & set(users)), **policy)
     known = set(changed) & set(users)
     looked = set(compare_fingerprints(session, table, sorted(set(users) - known)))
@@ -163,6 +166,18 @@ def read_for_build(
     prints = {u: Fingerprint.of(mine) for u, mine in rows.items()}
     shown = {u: [row for row in mine if not row.stale] for u, mine in rows.items()}
     return BuildRead(changed_users, prints, shown, ranked=False)
+
+
+def _on_citus(session: Session) -> bool:
+    """Whether the database is a Citus cluster (looked up once per connection)."""
+    info = session.connection().connection.info
+    if "reverie_citus" not in info:
+        found = session.connection().exec_driver_sql(_CITUS).scalar()
+        info["reverie_citus"] = bool(found)
+    return bool(info["reverie_citus"])
+
+
+_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')"
 
 
 def _read_for_build_pg(
@@ -187,18 +202,21 @@ def _read_for_build_pg(
     )
     params = {**defaults, "ids": users, "changed": changed, "cutoff_default": default_cutoff}
     params.update((f"cutoff_{i}", cutoff) for i, cutoff in enumerate(agent_cutoffs.values()))
-    # On the session's own connection (its transaction), as plain tuples: the read is
-    # of every shown row of every changed user, and making a result row of each costs
-    # as much as reading it.
-    raw = session.connection().connection.driver_connection
-    assert raw is not None
-    with raw.cursor() as cursor:
+    # Read on the session's own connection (its transaction) as plain tuples: the read
+    # is of every shown row of every changed user, and making a result row of each
+    # costs more than reading it.
+    with driver_cursor(session) as cursor:
         # Compiled just in time (its estimated cost for a chunk's users is over the
         # default ``jit_above_cost``), the statement takes three times as long: JIT is
-        # off for it alone, and put back as it was for the rest of the transaction.
-        jit = cursor.execute(_JIT_OFF).fetchone()
+        # off for it alone, then put back as it was for the rest of the caller's
+        # transaction (a server without the setting is left alone).
+        found = cursor.execute(_JIT_SETTING).fetchone()
+        jit = found[0] if found else None
+        if jit is not None:
+            cursor.execute(_JIT_SET, {"jit": "off"})
         fetched = cursor.execute(sql, params).fetchall()
-        cursor.execute(_JIT_BACK, (jit[0] if jit else "on",))
+        if jit is not None:
+            cursor.execute(_JIT_SET, {"jit": jit})
     prints: dict[str, Fingerprint] = {}
     rows: dict[str, list[Any]] = {}
     mine: list[Any] = []
@@ -219,8 +237,8 @@ def _read_for_build_pg(
     return BuildRead(sorted(rows), prints, rows, ranked=True)
 
 
-_JIT_OFF = "SELECT current_setting('jit'), set_config('jit', 'off', true)"
-_JIT_BACK = "SELECT set_config('jit', %s, true)"
+_JIT_SETTING = "SELECT current_setting('jit', true)"
+_JIT_SET = "SELECT set_config('jit', %(jit)s, true)"
 
 
 def compare_fingerprints(session: Session, table: Table, users: Sequence[str]) -> list[str]:

@@ -60,6 +60,9 @@ def _touched(row: Any) -> datetime:
     return latest if latest is not None else datetime.min
 
 
+_MICROSECOND = timedelta(microseconds=1)
+
+
 def rank_key(row: Any) -> tuple[Any, ...]:
     """The documented order (see the module docstring), as a sort key."""
     touched = _touched(row)
@@ -68,7 +71,8 @@ def rank_key(row: Any) -> tuple[Any, ...]:
         -touched.toordinal(),
         -int(row.access_count or 0),
         CATEGORY_PRIORITY.get(category, OTHER_CATEGORY_PRIORITY),
-        -(touched - datetime.min).total_seconds(),
+        # In whole microseconds: as seconds, a float holds today's times to 8 microseconds only.
+        -((touched - datetime.min) // _MICROSECOND),
         row.key,
         row.id,
     )

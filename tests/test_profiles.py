@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
+import psycopg
 import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
@@ -844,10 +845,11 @@ def test_the_one_statement_look_at_who_changed_agrees_with_comparing_fingerprint
     assert forced.users == ["f7", "ghost"] and forced.rows["ghost"] == [] and forced.prints["ghost"] == Fingerprint()
     assert forced.prints["f7"] == Fingerprint.of([row for row in every if row.user_id == "f7"])
     # JIT is off for the read alone: the caller's transaction gets its own setting back.
-    with session_scope(pg_settings) as session:
-        session.execute(sql_text("SET LOCAL jit = on"))
-        read_for_build(session, table, users, **prunes)
-        assert session.execute(sql_text("SELECT current_setting('jit')")).scalar() == "on"
+    for setting in ("on", "off"):
+        with session_scope(pg_settings) as session:
+            session.execute(sql_text(f"SET LOCAL jit = {setting}"))
+            read_for_build(session, table, users, **prunes)
+            assert session.execute(sql_text("SELECT current_setting('jit')")).scalar() == setting
     _refresh(pg_settings, users)
     # f4 has no rows left: its agent-less profile holds the empty fingerprint, not changed since.
     assert looks() == ([], [])
@@ -900,3 +902,100 @@ def test_each_agents_policy_decides_which_of_its_entries_are_stale_in_its_profil
         "agent-b": {"b-200-days", "global-100-days"},
         "agent-c": {"c-60-days", "global-100-days"},
     }
+
+
+def test_on_citus_the_build_reads_in_two_statements_with_the_same_result(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Citus cluster takes the two-statement read (its planner does not take the one
+    # statement's per-user lookup): both give the same changed users, fingerprints and
+    # shown rows, with a host's last-access column and a prune cutoff, and each one
+    # agrees with what the other stored.
+    from store import profiles as profile_store
+
+    users = [f"c{i}" for i in range(1, 6)]
+    rows = [row for user in users for row in _world(user)]
+    rows.append(entry("c1", "old_note", "stale-note", visibility="global", agent=None, age_days=200))
+    rows.append(entry("c2", "old_but_accessed", "accessed-note", visibility="global", agent=None, age_days=200))
+    seed(pg_settings, rows)
+    with session_scope(pg_settings) as session:
+        session.execute(sql_text("ALTER TABLE usermemories ADD COLUMN last_accessed_at TIMESTAMP"))
+        session.execute(
+            sql_text("UPDATE usermemories SET last_accessed_at = timezone('utc', now()) WHERE key = 'old_but_accessed'")
+        )
+    try:
+        settings = pg_settings.model_copy(update={"memory_last_access_column": "last_accessed_at"})
+        table = table_for(settings)
+        policy: dict[str, Any] = {
+            "agent_cutoffs": {"agent-b": None},
+            "default_cutoff": datetime.now(UTC).replace(tzinfo=None) - timedelta(days=90),
+            "protected_categories": ("property",),
+            "last_access_column": "last_accessed_at",
+        }
+
+        def read(citus: bool) -> profile_store.BuildRead:
+            monkeypatch.setattr(profile_store, "_on_citus", lambda session: citus)
+            with session_scope(settings) as session:
+                return profile_store.read_for_build(session, table, users, **policy)
+
+        one, two = read(False), read(True)
+        assert one.ranked and not two.ranked
+        assert one.users == two.users == users
+        assert one.prints == two.prints
+        id_at = profile_store.BUILD_COLUMNS.index("id")
+        for user in users:
+            assert [r[id_at] for r in one.rows[user]] == [r.id for r in sorted(two.rows[user], key=profiles.rank_key)]
+        assert "old_note" not in {r[1] for r in one.rows["c1"]}  # stale: not shown
+        assert "old_but_accessed" in {r[1] for r in one.rows["c2"]}  # accessed lately: shown
+        for citus, other in ((True, False), (False, True)):
+            read(citus)
+            monkeypatch.setattr(profile_store, "_on_citus", lambda session, citus=citus: citus)
+            with session_scope(settings) as session:
+                session.execute(delete(Profile))
+                profiles.refresh(session, settings, users, book=book(settings, {}))
+            assert read(other).users == [] and read(citus).users == []
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(sql_text("ALTER TABLE usermemories DROP COLUMN last_accessed_at"))
+
+
+def test_a_connection_lost_during_the_build_read_is_a_database_that_went_away(pg_settings: Settings) -> None:
+    # The read runs on the driver's own cursor: its errors come out as any statement's
+    # do (the connection invalidated, the run told the database went away), and the
+    # pool hands out a working connection afterwards.
+    from store import profiles as profile_store
+    from worker.errors import DatabaseUnavailable
+
+    seed(pg_settings, _world("u1"))
+    table = table_for(pg_settings)
+    with pytest.raises(DatabaseUnavailable), session_scope(pg_settings) as session:
+        profile_store._on_citus(session)  # looked up already, as on a connection in use
+        pid = session.execute(sql_text("SELECT pg_backend_pid()")).scalar()
+        url = pg_settings.database_url.replace("+psycopg", "")
+        with psycopg.connect(url, autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        profile_store.read_for_build(
+            session,
+            table,
+            ["u1"],
+            agent_cutoffs={},
+            default_cutoff=None,
+            protected_categories=(),
+            last_access_column=None,
+        )
+    assert _refresh(pg_settings, ["u1"])["u1"]
+
+
+def test_entries_touched_microseconds_apart_rank_newest_first_as_postgresql_ranks_them() -> None:
+    # PostgreSQL compares exact times; so must the Python order (SQLite, Citus).
+    start = datetime(2026, 11, 25, 8, 0, 0, 0)
+
+    def row(key: str, when: datetime) -> SimpleNamespace:
+        return SimpleNamespace(
+            key=key, id=key, updated_at=when, created_at=when, last_recalled_at=None, access_count=0, category="fact"
+        )
+
+    for step in range(16):
+        older = row("a_older", start + timedelta(microseconds=step))
+        newer = row("b_newer", start + timedelta(microseconds=step + 1))
+        assert sorted([older, newer], key=profiles.rank_key) == [newer, older]
