@@ -137,9 +137,10 @@ def read_for_build(
     are not returned.
 
     On PostgreSQL this is one statement, built once for each shape of the policies
-    (which agents prune), with the users and cutoffs as its parameters: each row is read
-    and hashed once, the fingerprints are compared there, and only the changed users'
-    shown rows come back, ranked and with the columns a line needs. Elsewhere, and on
+    (which agents prune), with the users and cutoffs as its parameters: every row is
+    hashed once into its user's fingerprint, the fingerprints are compared there, and
+    only the changed users' shown rows are then looked up, and come back ranked and
+    with the columns a line needs. Elsewhere, and on
     a Citus cluster (whose planner does not take the one statement's per-user lookup,
     a correlated subquery with ``OFFSET``), the fingerprints are compared here
     (:func:`compare_fingerprints`) and the changed users' rows are read by
@@ -302,17 +303,17 @@ def _pg_build_sql(
     last_access_column: str | None,
 ) -> tuple[str, dict[str, Any]]:
     """:func:`read_for_build`'s PostgreSQL statement for one shape of the policies
-    (``agents``: each agent with a policy of its own, and whether it prunes), as the
-    SQL of the session's driver (``dialect``) and the values of its constant parameters. Its parameters: ``ids``
-    (the users), ``changed`` (those known to have changed), ``cutoff_<i>`` (the i-th
-    agent's cutoff) and ``cutoff_default``.
+    (``agents``: each agent with a policy of its own, and whether it prunes), as the SQL
+    of the session's driver (``dialect``) and the values of its constant parameters.
+    Its parameters: ``ids`` (the users), ``changed`` (those known to have changed),
+    ``cutoff_<i>`` (the i-th agent's cutoff) and ``cutoff_default``.
 
-    ``entries`` is each user's rows, read and hashed once; ``current`` their
-    fingerprints; ``changed`` the users whose fingerprint differs from the one stored
-    with their agent-less profile (a user with no rows counting as the empty
-    fingerprint, as :class:`Fingerprint` does), with their fingerprint; and each changed
-    user's shown rows come out ranked (one row of NULLs for a user with none), each
-    carrying the user's fingerprint (``PRINT_COLUMNS``)."""
+    ``current`` is each user's fingerprint now; ``changed`` the users whose fingerprint
+    differs from the one stored with their agent-less profile (a user with no rows
+    counting as the empty fingerprint, as :class:`Fingerprint` does), or who are known
+    to have changed, with their fingerprint; ``entries`` each changed user's shown
+    rows, looked up by user. They come out ranked, each carrying the user's fingerprint
+    (``PRINT_COLUMNS``), and a changed user with no shown row as one row of NULLs."""
     ids = bindparam("ids", None, type_=ARRAY(String))  # values: given when it runs
     stale = prunable_where(
         table,
