@@ -182,7 +182,7 @@ def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: lis
     total = len(lines)
     layout = Layout(lines, headers, count(fmt.left_out_line(total)) if total else 0, total)
     if by_lines:
-        whole = fmt.whole_if_fits(layout, budget)
+        whole = fmt.whole_if_fits(layout, budget, count)
         if whole is not None:
             # Every line fits in one counting window: the text's count is its parts'.
             return Built(whole[0], whole[1], budget, total, 0, layout)

@@ -281,30 +281,19 @@ def cut(layout: Layout, budget: int) -> int:
     return best
 
 
-def whole_if_fits(layout: Layout, budget: int) -> tuple[str, int] | None:
+def whole_if_fits(layout: Layout, budget: int, count: Callable[[str], int]) -> tuple[str, int] | None:
     """The text of every line of the layout and its tokens, when the whole text fits
     ``budget`` and one counting window (then its count is exactly its parts' counts, for
     a counter whose text counts are made from its lines': see :func:`windowed_tokens`);
-    else None. What :func:`cut` and :func:`pieces` would give, in one pass."""
-    lines = layout.lines
-    if len(lines) < layout.total:
+    else None. What :func:`cut` and :func:`pieces` would give, without an estimate first."""
+    if len(layout.lines) < layout.total:
         return None
-    parts: list[str] = []
-    tokens = chars = 0
-    current = -1
-    for section, line_tokens, text in _by_section(lines):
-        if section != current:
-            current = section
-            header = _HEADER_LINES[section]
-            parts.append(header)
-            tokens += layout.header_tokens[section]
-            chars += len(header)
-        parts.append(text)
-        tokens += line_tokens
-        chars += len(text)
-    if tokens > budget or chars > COUNT_WINDOW_CHARS:
+    parts = pieces(layout.lines, 0, layout.header_tokens, count)
+    tokens: int = sum(map(_SECOND, parts))
+    if tokens > budget:
         return None
-    return "".join(parts), tokens
+    text = "".join(map(_FIRST, parts))
+    return (text, tokens) if len(text) <= COUNT_WINDOW_CHARS else None
 
 
 def _fits_whole(layout: Layout, budget: int) -> bool:
