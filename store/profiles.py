@@ -292,6 +292,13 @@ def _stored_fingerprints(of_users: ColumnElement[bool]) -> Select[Any]:
     ).where(of_users, Profile.agent_id == NO_AGENT)
 
 
+#: The statement's subqueries' names. The per-user lookup names the changed users from
+#: inside a FROM that holds the host's table, so no name may be one the host's table can
+#: have (``REVERIE_MEMORY_TABLE`` takes letters, digits and ``_``): a table called
+#: ``changed`` would otherwise be read as the changed users, and every user's rows match.
+_CURRENT, _BUILT, _CHANGED, _ENTRIES = "reverie-current", "reverie-built", "reverie-changed", "reverie-entries"
+
+
 @lru_cache(maxsize=64)
 def _pg_build_sql(
     dialect: Dialect,
@@ -328,8 +335,8 @@ def _pg_build_sql(
         last_access_column=last_access_column,
         array=True,
     )
-    current = _current_fingerprints(table, table.c.user_id == any_(ids), _pg_content_hash(table)).subquery("current")
-    built = _stored_fingerprints(Profile.user_id == any_(ids)).subquery("built")
+    current = _current_fingerprints(table, table.c.user_id == any_(ids), _pg_content_hash(table)).subquery(_CURRENT)
+    built = _stored_fingerprints(Profile.user_id == any_(ids)).subquery(_BUILT)
     user_id = func.coalesce(current.c.user_id, built.c.user_id)
     now = (
         func.coalesce(current.c.rows, 0),
@@ -350,7 +357,7 @@ def _pg_build_sql(
         select(user_id.label("user_id"), *(value.label(name) for value, name in zip(now, PRINT_COLUMNS, strict=True)))
         .select_from(current.join(built, current.c.user_id == built.c.user_id, full=True))
         .where(or_(tuple_(*now).is_distinct_from(then), user_id == any_(known)))
-        .subquery("changed")
+        .subquery(_CHANGED)
     )
     # Each changed user's shown rows, looked up by user (the rows of the others are only
     # aggregated above), without their hash.
@@ -358,7 +365,7 @@ def _pg_build_sql(
         _build_statement(table, table.c.user_id == changed.c.user_id, stale, last_access_column, None)
         .where(_flag(stale).is_(False))
         .offset(0)  # kept a subquery: an index lookup per changed user, not a scan of them all
-        .lateral("entries")
+        .lateral(_ENTRIES)
     )
     stmt = (
         select(
@@ -492,7 +499,8 @@ def rank_order(rows: FromClause, recalled: ColumnElement[Any]) -> list[ColumnEle
     (``COLLATE "C"``: UTF-8 byte order is code-point order, as Python compares text).
     ``tasks.profiles.rank_key`` is the same order in Python; a test holds them equal."""
     touched = func.greatest(rows.c.updated_at, rows.c.created_at, recalled)
-    category = func.lower(func.coalesce(rows.c.category, "fact"))
+    # No category, or an empty one, is a fact (as the builder reads it in Python).
+    category = func.lower(func.coalesce(func.nullif(rows.c.category, ""), "fact"))
     return [
         func.date_trunc("day", touched).desc().nulls_last(),
         func.coalesce(rows.c.access_count, 0).desc(),

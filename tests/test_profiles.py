@@ -686,7 +686,7 @@ def test_postgresql_ranks_the_rows_exactly_as_the_documented_order(pg_settings: 
     keys = ["alpha", "Alpha", "alpha_2", "Äpfel", "émile", "zeta", "Zeta", "_x", "東京", "a b", "ab"]
     rows, recalls = [], []
     for i in range(300):
-        category = rng.choice(["fact", "Preference", "context", "work"])
+        category = rng.choice(["fact", "Preference", "context", "work", ""])  # "": no category, a fact
         # One agent per row: the same key recurs (ties broken by id) under the unique keys.
         row = entry("u1", rng.choice(keys), f"v{i}", category=category, visibility="self", agent=f"agent-{i}")
         updated = noon - timedelta(days=rng.choice([0, 0, 1, 2]), hours=rng.choice([0, 0, 5, 13]))
@@ -999,3 +999,46 @@ def test_entries_touched_microseconds_apart_rank_newest_first_as_postgresql_rank
         older = row("a_older", start + timedelta(microseconds=step))
         newer = row("b_newer", start + timedelta(microseconds=step + 1))
         assert sorted([older, newer], key=profiles.rank_key) == [newer, older]
+
+
+@pytest.mark.parametrize("name", ["changed", "entries", "current", "built"])
+def test_a_host_table_named_like_a_part_of_the_read_holds_each_users_own_rows(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    # The read's per-user lookup names the changed users from inside a FROM that holds
+    # the host's table: a host table with one of its parts' names must not be taken for
+    # it (a table called "changed" once matched every user's rows).
+    from store import profiles as profile_store
+
+    settings = pg_settings.model_copy(update={"memory_table": name})
+    with session_scope(pg_settings) as session:
+        session.execute(sql_text(f"CREATE TABLE {name} (LIKE usermemories INCLUDING ALL)"))
+    try:
+        seed(
+            settings,
+            [
+                entry("alice", "note", "alice-note", visibility="global", agent=None),
+                entry("bob", "diagnosis", "bob-private-diagnosis", visibility="self", agent="agent-b"),
+            ],
+        )
+        table = table_for(settings)
+        policy: dict[str, Any] = {
+            "agent_cutoffs": {},
+            "default_cutoff": None,
+            "protected_categories": (),
+            "last_access_column": None,
+        }
+        reads = []
+        for citus in (False, True):
+            monkeypatch.setattr(profile_store, "_on_citus", lambda session, citus=citus: citus)
+            with session_scope(settings) as session:
+                reads.append(profile_store.read_for_build(session, table, ["alice"], **policy))
+        assert [[row[1] for row in read.rows["alice"]] for read in reads] == [["note"], ["note"]]
+        assert reads[0].prints == reads[1].prints
+        with session_scope(settings) as session:
+            profiles.refresh(session, settings, ["alice"], book=book(settings, {}))
+        stored = _stored(settings, "alice")
+        assert set(stored) == {""} and "bob" not in stored[""].text
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(sql_text(f"DROP TABLE {name}"))
