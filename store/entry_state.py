@@ -36,7 +36,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
 
-from store.models import EntryState
+from store.models import EntryState, query_name
 
 GDPR_PREFIX = "_gdpr_"
 
@@ -78,7 +78,7 @@ def observe_recalls(session: Session, table: Table, users: str | Collection[str]
     as a count of 0 seen and no recall), which keeps a look at a large table cheap.
     """
     count = func.coalesce(table.c.access_count, 0)
-    known = EntryState.__table__.alias("known")
+    known = EntryState.__table__.alias(query_name("known"))
     source = (
         select(
             table.c.id,

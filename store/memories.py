@@ -43,7 +43,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine.interfaces import ReflectedColumn
 from sqlalchemy.orm import Session
 
-from store.models import ArchivedEntry, Event, memory_table
+from store.models import ArchivedEntry, Event, memory_table, query_name
 from store.types import now
 from worker.errors import TransientError
 from worker.settings import Settings
@@ -567,9 +567,11 @@ def contradiction_candidates(
     group: ColumnElement[Any] = loose
     if same_keys:
         labels = (
-            values(column("user_id", String), column("key", String), column("label", String), name="same_keys")
+            values(
+                column("user_id", String), column("key", String), column("label", String), name=query_name("same_keys")
+            )
             .data([(user, key, "~" + label) for (user, key), label in sorted(same_keys.items())])
-            .alias("same_keys")
+            .alias(query_name("same_keys"))
         )
         source = table.outerjoin(labels, and_(labels.c.user_id == table.c.user_id, labels.c.key == table.c.key))
         # Labels start with "~" and hold more than it, so none equals a loose key.

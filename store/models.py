@@ -451,6 +451,14 @@ MEMORY_COLUMNS = (
 
 
 @lru_cache(maxsize=8)
+def query_name(name: str) -> str:
+    """A name for a subquery or alias in a statement that also reads the host's memory
+    table, that no such table can have (``REVERIE_MEMORY_TABLE`` takes letters, digits and
+    ``_`` only): a table called like the alias would otherwise clash with it, or be read
+    in its place."""
+    return f"reverie-{name}"
+
+
 def memory_table(name: str = "usermemories", last_access_column: str | None = None) -> Table:
     """The host's memory table as a Core ``Table`` (EDDI's layout, docs/reference.md).
 

@@ -45,7 +45,7 @@ from sqlalchemy.orm import Session
 from store.bulk import insert_rows
 from store.db import driver_cursor
 from store.entry_state import prunable_where, users_in
-from store.models import EntryState, Profile
+from store.models import EntryState, Profile, query_name
 
 #: ``agent_id`` of the agent-less profile (global entries only).
 NO_AGENT = ""
@@ -292,11 +292,10 @@ def _stored_fingerprints(of_users: ColumnElement[bool]) -> Select[Any]:
     ).where(of_users, Profile.agent_id == NO_AGENT)
 
 
-#: The statement's subqueries' names. The per-user lookup names the changed users from
-#: inside a FROM that holds the host's table, so no name may be one the host's table can
-#: have (``REVERIE_MEMORY_TABLE`` takes letters, digits and ``_``): a table called
-#: ``changed`` would otherwise be read as the changed users, and every user's rows match.
-_CURRENT, _BUILT, _CHANGED, _ENTRIES = "reverie-current", "reverie-built", "reverie-changed", "reverie-entries"
+#: The statement's subqueries' names (the per-user lookup names the changed users from
+#: inside a FROM that holds the host's table: a table called ``changed`` was once read
+#: as the changed users, and every user's rows matched).
+_CURRENT, _BUILT, _CHANGED, _ENTRIES = map(query_name, ("current", "built", "changed", "entries"))
 
 
 @lru_cache(maxsize=64)
