@@ -164,7 +164,12 @@ def _remove_pg(
 ) -> list[Removed]:
     at = now()
     # The whole row as the DELETE saw it, including any columns the host added.
-    gone = delete(table).where(where).returning(*table.c, whole_row(session, table).label("whole_row")).cte("gone")
+    gone = (
+        delete(table)
+        .where(where)
+        .returning(*table.c, whole_row(session, table).label("whole_row"))
+        .cte(query_name("gone"))
+    )
     source_rows: Any = gone
     run_of: ColumnElement[Any] = literal(run_id, ArchivedEntry.run_id.type)
     if runs is not None:
@@ -173,7 +178,7 @@ def _remove_pg(
         owners = select(
             func.unnest(literal(users, ARRAY(String))).label("user_id"),
             func.unnest(literal([runs[u] for u in users], ARRAY(BigInteger))).label("run_id"),
-        ).cte("owners")
+        ).cte(query_name("owners"))
         source_rows = gone.join(owners, owners.c.user_id == gone.c.user_id)
         run_of = owners.c.run_id
     archived = (
@@ -190,7 +195,7 @@ def _remove_pg(
                 literal(at, ArchivedEntry.archived_at.type),
             ).select_from(source_rows),
         )
-        .cte("archived")
+        .cte(query_name("archived"))
     )
     events = (
         insert(Event)
