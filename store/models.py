@@ -459,12 +459,17 @@ def query_name(name: str) -> str:
     return f"reverie-{name}"
 
 
+@lru_cache(maxsize=16)
 def memory_table(name: str = "usermemories", last_access_column: str | None = None) -> Table:
     """The host's memory table as a Core ``Table`` (EDDI's layout, docs/reference.md).
 
     Reverie never creates it from this object on PostgreSQL (the migration emits
     EDDI's exact DDL) and never alters it. ``last_access_column`` names an optional
     timestamp column the host maintains on recall.
+
+    One object per (name, column) pair, made once: statements built for the table
+    (such as a profile build's read, compiled once per shape) are keyed by it, and a
+    new object each time would build them again for every chunk of users.
     """
     columns: list[Column[Any]] = [
         Column("id", String(64), primary_key=True),

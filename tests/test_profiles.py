@@ -1042,3 +1042,19 @@ def test_a_host_table_named_like_a_part_of_the_read_holds_each_users_own_rows(
     finally:
         with session_scope(pg_settings) as session:
             session.execute(sql_text(f"DROP TABLE {name}"))
+
+
+def test_the_build_read_is_compiled_once_not_once_per_refresh(pg_settings: Settings) -> None:
+    """Each chunk of a sweep refreshes with its own look up of the memory table: the
+    build's statement (compiled once per shape of the policies) must be found again, not
+    compiled for every chunk."""
+    from store import profiles as profile_store
+
+    seed(pg_settings, _world("u1") + _world("u2") + _world("u3"))
+    _refresh(pg_settings, ["u1"])
+    before = profile_store._pg_build_sql.cache_info()
+    _refresh(pg_settings, ["u2"])
+    _refresh(pg_settings, ["u3"])
+    after = profile_store._pg_build_sql.cache_info()
+    assert (after.hits - before.hits, after.misses - before.misses) == (2, 0)
+    assert table_for(pg_settings) is table_for(pg_settings.model_copy())
