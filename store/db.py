@@ -202,6 +202,19 @@ def session_scope(settings: Settings) -> Iterator[Session]:
 
 
 @contextmanager
+def read_scope(settings: Settings) -> Iterator[Session]:
+    """A session for reads on their own, outside any transaction (autocommit): each
+    statement sees the database as of its start, and no ``BEGIN`` or ``COMMIT`` makes a
+    round trip. For one-statement reads, such as a profile read on a prompt's path."""
+    with (
+        translate_errors(settings),
+        get_engine(settings).connect() as connection,
+        Session(bind=connection.execution_options(isolation_level="AUTOCOMMIT")) as session,
+    ):
+        yield session
+
+
+@contextmanager
 def driver_cursor(session: Session) -> Iterator[Any]:
     """A cursor of the session's own driver connection (in its transaction), for what the
     driver does much faster than a statement through SQLAlchemy: ``COPY``, rows read as

@@ -1058,3 +1058,31 @@ def test_the_build_read_is_compiled_once_not_once_per_refresh(pg_settings: Setti
     after = profile_store._pg_build_sql.cache_info()
     assert (after.hits - before.hits, after.misses - before.misses) == (2, 0)
     assert table_for(pg_settings) is table_for(pg_settings.model_copy())
+
+
+def test_a_read_on_its_own_sends_one_statement_and_no_transaction(pg_settings: Settings, tmp_path: Any) -> None:
+    """On a prompt's path every round trip counts: a read without the caller's session
+    sends its SELECT alone (autocommit), no BEGIN before it and no COMMIT after."""
+    from sqlalchemy import event
+
+    from store.db import get_engine
+
+    seed(pg_settings, _world("u1"))
+    _refresh(pg_settings, ["u1"])
+    get_for_prompt("u1", "agent-a", settings=pg_settings)  # the pool's connection, made and checked
+    trace = tmp_path / "trace.txt"
+    engine = get_engine(pg_settings)
+
+    def traced(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        dbapi_connection.pgconn.trace(out.fileno())
+
+    with trace.open("w") as out:
+        event.listen(engine, "checkout", traced)
+        try:
+            profile = get_for_prompt("u1", "agent-a", settings=pg_settings)
+        finally:
+            event.remove(engine, "checkout", traced)
+    sent = [line for line in trace.read_text().splitlines() if "\tF\t" in line and ("Query" in line or "Parse" in line)]
+    assert "vim" in profile.text
+    assert not any("BEGIN" in line.upper() or "COMMIT" in line.upper() for line in sent), sent
+    assert sum("dream_profiles" in line for line in sent) == 1, sent

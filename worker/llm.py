@@ -44,10 +44,8 @@ import os
 import re
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 from store.types import NANO
@@ -299,7 +297,7 @@ class Cl100k:
         # either: the same tokens, without the wrapper's checks.
         self._encode = encoding.encode_ordinary
         self._encoding = encoding
-        self._widths: list[int] = []
+        self._marks = b""
         self._slow: Any = None
 
     def __call__(self, text: str) -> int:
@@ -316,48 +314,57 @@ class Cl100k:
 
         The encoder lets other threads run while it works and then waits for its turn
         again; counted one by one, thousands of short lines beside a busy thread wait
-        milliseconds each. Encoded together, each text's tokens are found by their
-        bytes: exact because cl100k's pre-tokenizer ends a piece at a newline followed
-        by a non-space, so texts that end with a newline and start with a non-space (a
-        profile's lines) are tokenized together as each is alone. Any other text is
-        counted on its own, and should a token ever straddle two texts, all are."""
+        milliseconds each. Encoded together, each text's tokens are those up to the one
+        ending with its newline: exact because cl100k's pre-tokenizer ends a piece at a
+        newline followed by a non-space, so texts holding one newline, at their end,
+        and starting with a non-space (a profile's lines) are tokenized together as each
+        is alone. Any other text is counted on its own, and should a token ever hold a
+        newline anywhere but at its end (one straddling two texts), all are."""
         out = [0] * len(texts)
         joined = [i for i, t in enumerate(texts) if _joins(t)]
         for i in set(range(len(texts))) - set(joined):
             out[i] = self(texts[i])
         if not joined:
             return out
-        widths = self._token_widths()
-        ends = list(accumulate(map(widths.__getitem__, self._encode("".join(texts[i] for i in joined)))))
-        at = 0
-        done = 0
-        for i in joined:
-            at += len(texts[i].encode())
-            stop = bisect_left(ends, at, done)
-            if stop == len(ends) or ends[stop] != at:
-                for j in joined:
-                    out[j] = self(texts[j])
-                return out
-            out[i] = stop + 1 - done
-            done = stop + 1
+        # One mark per token: 1 ends with a newline (and holds no other), 2 holds one elsewhere.
+        marks = bytes(map(self._newline_marks().__getitem__, self._encode("".join(texts[i] for i in joined))))
+        parts = marks.split(_ENDS_LINE)
+        if len(parts) != len(joined) + 1 or parts[-1] or _HOLDS_NEWLINE in marks:
+            for i in joined:
+                out[i] = self(texts[i])
+            return out
+        for i, part in zip(joined, parts, strict=False):
+            out[i] = len(part) + 1
         return out
 
-    def _token_widths(self) -> list[int]:
-        """Each token's length in bytes, by token id (once: 40 ms)."""
-        if not self._widths:
-            widths = []
-            for token in range(self._encoding.max_token_value + 1):
+    def _newline_marks(self) -> bytes:
+        """Each token's mark by token id (once: 40 ms): 1 if its bytes end with the only
+        newline they hold, 2 if they hold a newline elsewhere, else 0."""
+        if not self._marks:
+            marks = bytearray(self._encoding.max_token_value + 1)
+            for token in range(len(marks)):
                 try:
-                    widths.append(len(self._encoding.decode_single_token_bytes(token)))
+                    data = self._encoding.decode_single_token_bytes(token)
                 except KeyError:  # an id no token has
-                    widths.append(0)
-            self._widths = widths
-        return self._widths
+                    continue
+                if b"\n" in data:
+                    marks[token] = 1 if data.index(b"\n") == len(data) - 1 else 2
+            self._marks = bytes(marks)
+        return self._marks
+
+
+_ENDS_LINE, _HOLDS_NEWLINE = b"\x01", b"\x02"
 
 
 def _joins(text: str) -> bool:
     """Whether a text is tokenized alike alone and among others (see :meth:`Cl100k.lines`)."""
-    return 1 < len(text) <= _CHUNK_CHARS and text[-1] == "\n" and not text[0].isspace() and not text[-2].isspace()
+    return (
+        1 < len(text) <= _CHUNK_CHARS
+        and text[-1] == "\n"
+        and not text[0].isspace()
+        and not text[-2].isspace()
+        and text.count("\n") == 1
+    )
 
 
 def line_counter(settings: Settings) -> Callable[[Sequence[str]], list[int]] | None:

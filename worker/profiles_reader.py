@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from store import profiles as profile_store
-from store.db import session_scope
+from store.db import read_scope
 from worker.profile_text import Layout, assemble, cut, estimate
 from worker.settings import Settings, get_settings
 
@@ -52,13 +52,13 @@ def get_for_prompt(
     """The user's prompt-ready memory as ``agent_id`` sees it (None: the global entries
     only), within ``token_budget`` tokens if given. An agent that owns no entries of the
     user reads the global entries. One primary-key read; with ``session`` it runs in the
-    caller's transaction."""
+    caller's transaction; without, outside any (the one statement sees one snapshot)."""
     if token_budget is not None and token_budget < 0:
         raise ValueError("token_budget must be at least 0")
     if session is not None:
         return _read(session, user_id, agent_id, token_budget, settings)
     settings = settings or get_settings()
-    with session_scope(settings) as own:
+    with read_scope(settings) as own:
         return _read(own, user_id, agent_id, token_budget, settings)
 
 
