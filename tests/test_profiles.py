@@ -1084,5 +1084,13 @@ def test_a_read_on_its_own_sends_one_statement_and_no_transaction(pg_settings: S
             event.remove(engine, "checkout", traced)
     sent = [line for line in trace.read_text().splitlines() if "\tF\t" in line and ("Query" in line or "Parse" in line)]
     assert "vim" in profile.text
-    assert not any("BEGIN" in line.upper() or "COMMIT" in line.upper() for line in sent), sent
+    assert not any(word in line.upper() for line in sent for word in ("BEGIN", "COMMIT", "ROLLBACK")), sent
     assert sum("dream_profiles" in line for line in sent) == 1, sent
+
+    # The pool's connection is given back as it was: the next session on it is a transaction.
+    with engine.connect() as connection:
+        reader_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    with session_scope(pg_settings) as session:
+        first = session.execute(sql_text("SELECT pg_backend_pid(), now()")).one()
+        second = session.execute(sql_text("SELECT now()")).scalar()
+    assert first[0] == reader_pid and first[1] == second  # one transaction: one now()

@@ -118,3 +118,16 @@ def test_lines_that_would_join_are_counted_alone() -> None:
     # neighbours otherwise than alone: they never share an encoding.
     texts = ["- a: b \n", " - c\n", "word", "  \n", "- d: e\n"]
     assert found.lines(texts) == [found(t) for t in texts]
+
+
+def test_every_character_on_either_side_of_a_join_counts_as_alone() -> None:
+    """Lines are counted from one encoding of them all: exact only while the tokenizer
+    ends a piece at a line's end whatever character comes before or after it. Every
+    character that is no space (a stride over the astral planes) is put at both ends
+    of a line, beside the same on its neighbours."""
+    found = llm._builtin_counter()
+    assert found is not None
+    chars = [chr(i) for i in [*range(0x10000), *range(0x10000, 0x110000, 97)] if not chr(i).isspace()]
+    chars = [c for c in chars if not 0xD800 <= ord(c) <= 0xDFFF]  # lone surrogates are no text
+    texts = [f"{c}- {c}'s {c}{c}\n" for c in chars]
+    assert found.lines(texts) == [found(t) for t in texts]
