@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     DateTime,
     FromClause,
+    Integer,
     Select,
     String,
     Table,
@@ -80,14 +82,26 @@ def among(session: Session, column: Any, values: Sequence[str]) -> ColumnElement
     return users_in(column, values, array=session.get_bind().dialect.name == "postgresql")
 
 
-def content_hash(session: Session, table: Table) -> ColumnElement[Any]:
-    """A per-row hash of what a profile shows (key, value, category, visibility,
-    owner), so an application write that leaves ``updated_at`` alone is seen too.
-    PostgreSQL hashes the text; SQLite, which has no hash function, sums lengths."""
+def content_hash(session: Session, table: Table, last_access_column: str | None = None) -> ColumnElement[Any]:
+    """A per-row hash of what a profile shows and ranks by (key, value, category,
+    visibility, owner, the contradicted mark, ``access_count``, the row's times and the
+    host's last-access column), so any change to one row is seen, whoever made it: an
+    application write that leaves ``updated_at`` alone, an older row's time moved, a
+    recall recorded in the host's column, recalls or a mark moved from one row to
+    another. PostgreSQL hashes the text; SQLite, which has no hash function, sums lengths
+    and weighs the numbers by the key, so a swap between two keys shows too."""
     if session.get_bind().dialect.name == "postgresql":
-        return _pg_content_hash(table)
+        return _pg_content_hash(table, last_access_column)
     parts = _shown_parts(table)
-    return sum((func.length(part) for part in parts[1:]), func.length(parts[0]))
+    lengths = sum((func.length(part) for part in parts[1:]), func.length(parts[0]))
+    # Small enough that a user's sum stays an integer of 64 bits.
+    weight = func.length(table.c.key) % 89 + func.coalesce(func.unicode(table.c.key), 0) % 97 + 1
+    millis = [
+        func.coalesce(cast(func.julianday(t) * 86_400_000, BigInteger) % 1_000_000_007, 0)
+        for t in _ranked_times(table, last_access_column)
+    ]
+    marks = func.coalesce(table.c.access_count, 0) * 7 + case((table.c.conflicted.is_(True), 3), else_=0)
+    return lengths + sum(millis, marks) * weight
 
 
 def _shown_parts(table: Table) -> list[ColumnElement[Any]]:
@@ -100,8 +114,27 @@ def _shown_parts(table: Table) -> list[ColumnElement[Any]]:
     ]
 
 
-def _pg_content_hash(table: Table) -> ColumnElement[Any]:
-    return func.hashtext(func.concat_ws("\x1f", *_shown_parts(table)))
+def _ranked_times(table: Table, last_access_column: str | None) -> list[ColumnElement[Any]]:
+    """The row's times a profile's ranking reads (the host's last access where it has one)."""
+    times: list[ColumnElement[Any]] = [table.c.created_at, table.c.updated_at]
+    return [*times, table.c[last_access_column]] if last_access_column else times
+
+
+def _pg_content_hash(table: Table, last_access_column: str | None) -> ColumnElement[Any]:
+    # Times as seconds since the epoch: their text would follow the session's TimeZone.
+    ranked = [
+        func.coalesce(cast(table.c.conflicted, Text), ""),
+        func.coalesce(cast(table.c.access_count, Text), ""),
+        *(func.coalesce(cast(func.extract("epoch", t), Text), "") for t in _ranked_times(table, last_access_column)),
+    ]
+    return func.hashtext(func.concat_ws("\x1f", *_shown_parts(table), *ranked))
+
+
+class BuiltWith(NamedTuple):
+    """The settings profiles are built with: one built with others is built again."""
+
+    budget: int
+    tokenizer: str
 
 
 @dataclass(frozen=True)
@@ -128,10 +161,12 @@ def read_for_build(
     default_cutoff: datetime | None,
     protected_categories: Collection[str],
     last_access_column: str | None,
+    built_with: BuiltWith | None = None,
 ) -> BuildRead:
     """The users among ``user_ids`` whose rows differ from what their profiles were built
-    from (or who have rows and no profile yet), with ``changed`` (users known to have
-    changed) counted in whatever their fingerprint says, and their rows. Stale rows
+    from (or who have rows and no profile yet), or whose profiles were built with another
+    budget or tokenizer than ``built_with`` (the settings changed since), with ``changed``
+    (users known to have changed) counted in whatever their fingerprint says, and their rows. Stale rows
     (pruning would remove them: the cutoffs and protection as
     :func:`store.entry_state.prunable_where` takes them) count in the fingerprint and
     are not returned.
@@ -155,9 +190,9 @@ def read_for_build(
         "last_access_column": last_access_column,
     }
     if session.get_bind().dialect.name == "postgresql" and not _on_citus(session):
-        return _read_for_build_pg(session, table, users, sorted(set(changed) & set(users)), **policy)
+        return _read_for_build_pg(session, table, users, sorted(set(changed) & set(users)), built_with, **policy)
     known = set(changed) & set(users)
-    looked = set(compare_fingerprints(session, table, sorted(set(users) - known)))
+    looked = set(compare_fingerprints(session, table, sorted(set(users) - known), last_access_column, built_with))
     changed_users = sorted(known | looked)
     if not changed_users:
         return BuildRead([], {}, {}, ranked=False)
@@ -186,6 +221,7 @@ def _read_for_build_pg(
     table: Table,
     users: list[str],
     changed: list[str],
+    built_with: BuiltWith | None,
     *,
     agent_cutoffs: Mapping[str, datetime | None],
     default_cutoff: datetime | None,
@@ -202,6 +238,7 @@ def _read_for_build_pg(
         last_access_column=last_access_column,
     )
     params = {**defaults, "ids": users, "changed": changed, "cutoff_default": default_cutoff}
+    params.update(built_with._asdict() if built_with else {"budget": None, "tokenizer": None})
     params.update((f"cutoff_{i}", cutoff) for i, cutoff in enumerate(agent_cutoffs.values()))
     # Read on the session's own connection (its transaction) as plain tuples: the read
     # is of every shown row of every changed user, and making a result row of each
@@ -242,10 +279,17 @@ _JIT_SETTING = "SELECT current_setting('jit', true)"
 _JIT_SET = "SELECT set_config('jit', %(jit)s, true)"
 
 
-def compare_fingerprints(session: Session, table: Table, users: Sequence[str]) -> list[str]:
+def compare_fingerprints(
+    session: Session,
+    table: Table,
+    users: Sequence[str],
+    last_access_column: str | None = None,
+    built_with: BuiltWith | None = None,
+) -> list[str]:
     """The users among ``users`` whose rows differ from what their profiles were built
-    from (or who have rows and no profile yet): their fingerprints read by two
-    set-based statements and compared here (any database)."""
+    from (or who have rows and no profile yet), or whose profiles were built with another
+    budget or tokenizer than ``built_with``: their fingerprints read by two set-based
+    statements and compared here (any database)."""
     if not users:
         return []
     current = {
@@ -253,16 +297,24 @@ def compare_fingerprints(session: Session, table: Table, users: Sequence[str]) -
             int(row.rows), row.updated_at, int(row.recalls or 0), int(row.conflicted or 0), int(row.content or 0)
         )
         for row in session.execute(
-            _current_fingerprints(table, among(session, table.c.user_id, users), content_hash(session, table))
+            _current_fingerprints(
+                table, among(session, table.c.user_id, users), content_hash(session, table, last_access_column)
+            )
         )
     }
-    built = {
-        row.user_id: Fingerprint(
+    built: dict[str, Fingerprint] = {}
+    other: set[str] = set()  # built with other settings
+    for row in session.execute(_stored_fingerprints(among(session, Profile.user_id, users))):
+        built[row.user_id] = Fingerprint(
             row.source_rows, row.source_updated_at, row.source_recalls, row.source_conflicted, row.source_content
         )
-        for row in session.execute(_stored_fingerprints(among(session, Profile.user_id, users)))
-    }
-    return [u for u in users if (u in current or u in built) and current.get(u, Fingerprint()) != built.get(u)]
+        if built_with is not None and (row.budget, row.tokenizer) != tuple(built_with):
+            other.add(row.user_id)
+    return [
+        u
+        for u in users
+        if u in other or ((u in current or u in built) and current.get(u, Fingerprint()) != built.get(u))
+    ]
 
 
 def _current_fingerprints(
@@ -289,6 +341,8 @@ def _stored_fingerprints(of_users: ColumnElement[bool]) -> Select[Any]:
         Profile.source_recalls,
         Profile.source_conflicted,
         Profile.source_content,
+        Profile.budget,
+        Profile.tokenizer,
     ).where(of_users, Profile.agent_id == NO_AGENT)
 
 
@@ -334,7 +388,9 @@ def _pg_build_sql(
         last_access_column=last_access_column,
         array=True,
     )
-    current = _current_fingerprints(table, table.c.user_id == any_(ids), _pg_content_hash(table)).subquery(_CURRENT)
+    current = _current_fingerprints(
+        table, table.c.user_id == any_(ids), _pg_content_hash(table, last_access_column)
+    ).subquery(_CURRENT)
     built = _stored_fingerprints(Profile.user_id == any_(ids)).subquery(_BUILT)
     user_id = func.coalesce(current.c.user_id, built.c.user_id)
     now = (
@@ -355,7 +411,15 @@ def _pg_build_sql(
     changed = (
         select(user_id.label("user_id"), *(value.label(name) for value, name in zip(now, PRINT_COLUMNS, strict=True)))
         .select_from(current.join(built, current.c.user_id == built.c.user_id, full=True))
-        .where(or_(tuple_(*now).is_distinct_from(then), user_id == any_(known)))
+        .where(
+            or_(
+                tuple_(*now).is_distinct_from(then),
+                user_id == any_(known),
+                # Built with other settings (no value given: not compared).
+                built.c.budget != func.coalesce(bindparam("budget", None, type_=Integer()), built.c.budget),
+                built.c.tokenizer != func.coalesce(bindparam("tokenizer", None, type_=String()), built.c.tokenizer),
+            )
+        )
         .subquery(_CHANGED)
     )
     # Each changed user's shown rows, looked up by user (the rows of the others are only
@@ -412,7 +476,7 @@ def entries_for_build(
         last_access_column=last_access_column,
     )
     stmt = _build_statement(
-        table, table.c.user_id.in_(users), stale, last_access_column, content_hash(session, table)
+        table, table.c.user_id.in_(users), stale, last_access_column, content_hash(session, table, last_access_column)
     ).order_by(table.c.user_id, table.c.id)
     # Through the connection: plain rows, without the ORM's loading of each one.
     return list(session.connection().execute(stmt).all())

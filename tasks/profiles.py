@@ -264,7 +264,8 @@ def plan(
     changed: Collection[str] = (),
 ) -> Plan:
     """Read what a refresh needs, in the caller's (short) transaction: which users among
-    ``user_ids`` changed since their profiles were built (a set-based look: unchanged
+    ``user_ids`` changed since their profiles were built, or have profiles built with
+    another budget or tokenizer than the settings' now (a set-based look: unchanged
     ones cost nothing more; ``changed`` names users known to have changed, such as
     those a run just pruned), and their rows: on PostgreSQL, all in one statement.
     Staleness is judged on the database's clock, the one every host shares."""
@@ -279,6 +280,7 @@ def plan(
         default_cutoff=_cutoff(book.default, at),
         protected_categories=settings.protected_category_set,
         last_access_column=settings.memory_last_access_column,
+        built_with=profile_store.BuiltWith(budget_for(settings), llm.model_name(settings)),
     )
     if not found.users:
         return Plan(at, [], {})

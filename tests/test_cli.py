@@ -281,6 +281,20 @@ def test_erase_user_yes_skips_the_question_on_a_terminal(pg_settings: Settings) 
     assert _memory_rows(pg_settings, "u-gone") == 0
 
 
+@pytest.mark.parametrize("log_format", ["json", "console"])
+def test_erase_user_json_is_the_only_thing_on_stdout_and_its_log_line_goes_to_stderr(
+    pg_settings: Settings, log_format: str
+) -> None:
+    _seed_one_entry(pg_settings, "u-json")
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_LOG_FORMAT": log_format}
+    result = run(["erase-user", "u-json", "--yes", "--json"], env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["user"] == "u-json"  # one JSON object, nothing else
+    assert "user_erased" in result.stderr and "u-json" not in result.stderr
+    if log_format == "json":
+        assert [json.loads(line)["event"] for line in result.stderr.splitlines()] == ["user_erased"]
+
+
 # -- reverie health: what the container healthchecks run ------------------------------------
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
-from sqlalchemy import delete, select, update
+from sqlalchemy import case, delete, select, update
 from sqlalchemy import text as sql_text
 
 from store.db import session_scope
@@ -1094,3 +1094,90 @@ def test_a_read_on_its_own_sends_one_statement_and_no_transaction(pg_settings: S
         first = session.execute(sql_text("SELECT pg_backend_pid(), now()")).one()
         second = session.execute(sql_text("SELECT now()")).scalar()
     assert first[0] == reader_pid and first[1] == second  # one transaction: one now()
+
+
+def _lines_of(settings: Settings, user: str) -> list[str]:
+    return [line for line in _stored(settings, user)[""].text.splitlines() if line.startswith("- ")]
+
+
+def test_a_change_that_only_reorders_or_moves_a_mark_rebuilds_the_profile(store_settings: Settings) -> None:
+    # Every change below leaves the user's row count, latest update, recall sum and
+    # number of contradicted rows as they were: only the per-row fingerprint sees them.
+    settings = store_settings
+    seed(
+        settings,
+        [
+            entry("m1", "alpha_note", "A", visibility="global", agent=None, age_days=1),
+            entry("m1", "beta_note", "B", visibility="global", agent=None, age_days=3),
+            entry("m1", "gamma_note", "C", visibility="global", agent=None, age_days=6),
+            entry("m2", "first_note", "F", visibility="global", agent=None, age_days=2, access_count=3),
+            entry("m2", "second_note", "S", visibility="global", agent=None, age_days=2, access_count=10),
+        ],
+    )
+    with session_scope(settings) as session:
+        session.execute(sql_text("ALTER TABLE usermemories ADD COLUMN last_accessed_at TIMESTAMP"))
+    try:
+        settings = settings.model_copy(update={"memory_last_access_column": "last_accessed_at"})
+        table = table_for(settings)
+        assert set(_refresh(settings, ["m1", "m2"])) == {"m1", "m2"}
+        assert _lines_of(settings, "m1") == ["- alpha note: A", "- beta note: B", "- gamma note: C"]
+        assert _lines_of(settings, "m2") == ["- second note: S", "- first note: F"]
+
+        def changed(user: str, where: Any, **values: Any) -> list[str]:
+            with session_scope(settings) as session:
+                session.execute(update(table).where(table.c.user_id == user, where).values(**values))
+            assert set(_refresh(settings, ["m1", "m2"])) == {user}
+            return _lines_of(settings, user)
+
+        nine_days_ago = datetime.now(UTC).replace(tzinfo=None) - timedelta(days=9)
+        # An older row's time moved further back (the latest update is another row's).
+        moved = changed("m1", table.c.key == "beta_note", updated_at=nine_days_ago, created_at=nine_days_ago)
+        assert moved == ["- alpha note: A", "- gamma note: C", "- beta note: B"]
+        # A recall recorded in the host's own last-access column.
+        accessed = changed("m1", table.c.key == "gamma_note", last_accessed_at=datetime.now(UTC).replace(tzinfo=None))
+        assert accessed == ["- gamma note: C", "- alpha note: A", "- beta note: B"]
+        # Two rows' recalls swapped (the same sum).
+        first = table.c.key == "first_note"
+        swapped = changed("m2", table.c.key.in_(["first_note", "second_note"]), access_count=case((first, 10), else_=3))
+        assert swapped == ["- first note: F", "- second note: S"]
+        # The contradicted mark moved from one row to another (the same count).
+        changed("m2", first, conflicted=True)
+        marked = changed("m2", table.c.key.in_(["first_note", "second_note"]), conflicted=~first)
+        assert marked == ["- first note: F", "- second note: S (contradicted)"]
+        assert _refresh(settings, ["m1", "m2"]) == {}  # and nothing more
+    finally:
+        with session_scope(store_settings) as session:
+            session.execute(sql_text("ALTER TABLE usermemories DROP COLUMN last_accessed_at"))
+
+
+def test_profiles_built_with_another_budget_or_tokenizer_are_built_again(store_settings: Settings) -> None:
+    seed(store_settings, _world("s1") + _world("s2"))
+    assert set(_refresh(store_settings, ["s1", "s2"])) == {"s1", "s2"}
+    assert _refresh(store_settings, ["s1", "s2"]) == {}
+    smaller = store_settings.model_copy(update={"profile_token_budget": 12})
+    assert set(_refresh(smaller, ["s1", "s2"])) == {"s1", "s2"}
+    stored = _stored(smaller, "s1")["agent-a"]
+    assert stored.budget == 12 and stored.tokens <= 12 and stored.entries_left_out > 0
+    assert _refresh(smaller, ["s1", "s2"]) == {}
+    # Another model, another tokenizer: built again, and counted with it.
+    other = smaller.model_copy(update={"llm_model": "offline/drift"})
+    assert llm.model_name(other) != llm.model_name(smaller)
+    assert set(_refresh(other, ["s1", "s2"])) == {"s1", "s2"}
+    assert {p.tokenizer for p in _stored(other, "s2").values()} == {llm.model_name(other)}
+    assert _refresh(other, ["s1", "s2"]) == {}
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("👨\u200d👩\u200d👧", "👨\u200d👩\u200d👧"),  # one family, not three people
+        ("می\u200cخواهم", "می\u200cخواهم"),  # a Persian spelling
+        ("paid\u202e evil", "paid evil"),  # a bidirectional override
+        ("ok\U000e0069\U000e0067\U000e006e\U000e006f\U000e0072\U000e0065", "ok"),  # hidden tag characters
+        ("a\x00b\x1bc\nd", "abc d"),
+    ],
+)
+def test_a_line_keeps_the_joiners_and_drops_other_invisible_characters(value: str, shown: str) -> None:
+    from worker.profile_text import value_text
+
+    assert value_text(value) == shown

@@ -114,8 +114,10 @@ _WORD = re.compile(r"[A-Za-z0-9_\-]{24,}")
 
 # Loggers whose records can carry prompts or bound SQL parameters below WARNING.
 # (SQLAlchemy's INFO is per-statement parameters and mapper chatter: never wanted.)
-_WARNING_FLOOR = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy", "litellm", "sqlalchemy", "httpx", "openai")
-_ROUTED = ("celery", "kombu", "amqp", "billiard", "alembic", "redis", *_WARNING_FLOOR)
+# Alembic's INFO is its migration context's chatter, on every revision check: a command
+# that fails says so in one line, and ``reverie migrate`` says what it did itself.
+_WARNING_FLOOR = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy", "litellm", "sqlalchemy", "httpx", "openai", "alembic")
+_ROUTED = ("celery", "kombu", "amqp", "billiard", "redis", *_WARNING_FLOOR)
 _LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
 
 

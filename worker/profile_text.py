@@ -103,11 +103,19 @@ def _plain(text: str, limit: int) -> str:
         # Nothing to drop or join (printable: no control character, no space but ' ').
         return text
     # Printable text holds no control (``C*``) character: only a long or spaced value is here.
-    kept = (
-        text if text.isprintable() else "".join(ch for ch in text if unicodedata.category(ch)[0] != "C" or ch.isspace())
-    )
+    kept = text if text.isprintable() else "".join(ch for ch in text if _shown_char(ch))
     flat = " ".join(kept.split())
     return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
+
+
+#: Invisible characters kept: the joiners that make one emoji of several (👨‍👩‍👧) and
+#: spell Persian and Indic words. Every other format character (bidirectional overrides,
+#: tag characters that hide text from a reader) is dropped with the control characters.
+_JOINERS = frozenset("\u200c\u200d")
+
+
+def _shown_char(ch: str) -> bool:
+    return unicodedata.category(ch)[0] != "C" or ch.isspace() or ch in _JOINERS
 
 
 def value_text(value: Any) -> str:

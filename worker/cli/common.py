@@ -61,11 +61,15 @@ def load_settings() -> Settings:
 
     With no database configured, say which SQLite file is used (on stderr, so ``--json``
     output stays clean): a silently created ``./reverie.db`` looks like an empty
-    production database.
+    production database. Logging is set up here, to stderr, for every command.
     """
+    from worker.logging_setup import configure_logging
     from worker.settings import get_settings
 
     settings = get_settings()
+    # Every command's log lines go to stderr, in the configured format: on stdout they
+    # would break ``--json``.
+    configure_logging(settings)
     if "database_url" not in settings.model_fields_set and settings.is_sqlite:
         print(
             f"reverie: REVERIE_DATABASE_URL is not set; using the SQLite file {settings.sqlite_path()}",
