@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, and_, insert, select
+from sqlalchemy import Table, insert, select
 from sqlalchemy.orm import Session
 
 from store.memories import Removed, entries_of, record_events, remove_entries
@@ -45,16 +45,13 @@ def snapshot(row: Any) -> tuple[Any, ...]:
     )
 
 
-def _taken_keys(session: Session, table: Table, user_id: str, visibility: str, agent_id: str | None) -> set[str]:
-    # EDDI's upsert keys: global entries are unique per (user, key); others per
-    # (user, key, agent). A summary must not collide with an entry outside its group.
-    condition = table.c.user_id == user_id
-    if visibility == "global":
-        condition = and_(condition, table.c.visibility == "global")
-    else:
-        owner = table.c.source_agent_id.is_(None) if agent_id is None else table.c.source_agent_id == agent_id
-        condition = and_(condition, table.c.visibility != "global", owner)
-    return set(session.scalars(select(table.c.key).where(condition)))
+def _taken_keys(session: Session, table: Table, user_id: str) -> set[str]:
+    # Every key of the user, whatever its agent or visibility: EDDI's upsert keys would
+    # let a global summary share a key with a self one (global entries are unique per
+    # (user, key), others per (user, key, agent)), but two groups' summaries under one
+    # key would then be read as one fact with two values, a contradiction, and under
+    # ``keep_newest`` one group's summary would be archived.
+    return set(session.scalars(select(table.c.key).where(table.c.user_id == user_id)))
 
 
 def _free_key(key: str, taken: set[str]) -> str:
@@ -98,7 +95,7 @@ def replace_group(
                 group_ids.append(gid)
     remove_entries(session, table, these, reason="summarize", source="summarize", run_id=run_id)
 
-    taken = _taken_keys(session, table, user_id, visibility, agent_id)
+    taken = _taken_keys(session, table, user_id)
     at = now()
     created_at = min((r.created_at for r in originals if r.created_at is not None), default=at)
     recalls = max((r.access_count or 0 for r in originals), default=0)

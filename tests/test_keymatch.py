@@ -395,3 +395,26 @@ def test_stored_vectors_are_committed_at_once_not_with_the_callers_long_transact
         long_running.rollback()
     with session_scope(pg_settings) as after:
         assert key_vectors.load(after, "test-model", ["date_of_birth"]) == {"date_of_birth": vector}
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("город", "профессия"),  # city, profession: alike to a model that reads single letters
+        ("名前", "住所"),  # name, address
+        ("😀😀😀😀😀", "___"),
+        ("🏠", "🎂"),
+    ],
+)
+def test_keys_the_model_cannot_read_match_only_by_their_rules_form(model_matcher: KeyMatcher, a: str, b: str) -> None:
+    assert model_matcher.similarity(a, b) is not None
+    assert not model_matcher.same(a, b)
+    assert model_matcher.find(a, [b]) is None
+    assert model_matcher.same(a, a.upper()) and model_matcher.find(a.upper(), [b, a]) == a
+
+
+def test_what_the_model_reads_is_a_key_of_latin_letters_or_digits() -> None:
+    from worker.keymatch import readable
+
+    assert readable("home_city") and readable("café_name") and readable("straße") and readable("pin_2")
+    assert not readable("город") and not readable("東京_office") and not readable("___") and not readable("")

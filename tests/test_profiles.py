@@ -1171,7 +1171,7 @@ def test_profiles_built_with_another_budget_or_tokenizer_are_built_again(store_s
     ("value", "shown"),
     [
         ("👨\u200d👩\u200d👧", "👨\u200d👩\u200d👧"),  # one family, not three people
-        ("می\u200cخواهم", "می\u200cخواهم"),  # a Persian spelling
+        ("\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",) * 2,  # a Persian spelling (I want)
         ("paid\u202e evil", "paid evil"),  # a bidirectional override
         ("ok\U000e0069\U000e0067\U000e006e\U000e006f\U000e0072\U000e0065", "ok"),  # hidden tag characters
         ("a\x00b\x1bc\nd", "abc d"),

@@ -183,3 +183,22 @@ def test_changed_original_defers_the_group(pg_settings: Settings, monkeypatch: p
     outcome = dream_user(pg_settings, "u1")
     assert outcome.entries_summarized == 0 and outcome.groups_deferred == 1
     assert len(entries_of(pg_settings, "u1")) == 6
+
+
+@pytest.mark.parametrize("resolution", ["flag", "keep_newest"])
+def test_two_groups_summaries_never_share_a_key_nor_contradict_each_other(
+    pg_settings: Settings, resolution: str
+) -> None:
+    # A self group and a global group of one agent: the model names both groups'
+    # summaries alike (as the built-in model does, and a real one may).
+    settings = pg_settings.model_copy(update={"contradiction_resolution": resolution})
+    seed(settings, [*_six(), *_six(visibility="global")])
+    first = dream_user(settings, "u1")
+    assert (first.entries_summarized, first.entries_written) == (12, 4)
+    rows = list(entries_of(settings, "u1").values())
+    assert len({r["key"] for r in rows}) == 4
+    assert {r["visibility"] for r in rows} == {"self", "global"}
+    again = dream_user(settings, "u1")
+    assert (again.contradictions_found, again.entries_pruned) == (0, 0)
+    after = list(entries_of(settings, "u1").values())
+    assert len(after) == 4 and not any(r["conflicted"] for r in after)

@@ -14,7 +14,9 @@ place that compares keys: writes, contradiction detection and feedback recurrenc
   (:mod:`worker.keymatch.embedding`) compares short phrases about the user built from
   the keys (``the user's home city``): at or above ``key_match_threshold`` they are one
   key; keys that share words but are about another thing (``favorite_movie`` /
-  ``favorite_book``) need ``key_match_strict_threshold``.
+  ``favorite_book``) need ``key_match_strict_threshold``. The model learned English:
+  keys in another script, or without a letter or digit, are left to the rules
+  (:func:`readable`).
 
 With ``REVERIE_KEY_MATCHING=rules`` (or when the model cannot be loaded) the rules
 alone decide; with ``off`` keys match only when equal after case and separators.
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import re
 import threading
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -57,6 +61,18 @@ MEMORY_VECTORS = 20_000
 def _plain(key: str) -> str:
     """Case and separators only: how keys were compared before any matching."""
     return _SEPARATORS.sub("_", key.strip().lower()).strip("_")
+
+
+@lru_cache(maxsize=65_536)
+def readable(norm: str) -> bool:
+    """Whether the model can read a key in rules form for its meaning: it holds a letter
+    or digit, and every letter is of the Latin script. The built-in model learned
+    English: it reads ``город`` and ``профессия`` as strings of single letters, and
+    an emoji or ``___`` as nothing, so any two such keys look alike to it. Keys it
+    cannot read match by their rules form only."""
+    if not any(ch.isalnum() for ch in norm):
+        return False
+    return all(not ch.isalpha() or unicodedata.name(ch, "").startswith("LATIN") for ch in norm)
 
 
 class KeyMatcher:
@@ -189,7 +205,7 @@ class KeyMatcher:
 
     def _decide(self, a: str, b: str, similarity: float | None) -> bool:
         """``a`` and ``b`` in rules form, different; ``similarity`` None: rules only."""
-        if similarity is None or self.contrasting(a, b):
+        if similarity is None or not (readable(a) and readable(b)) or self.contrasting(a, b):
             return False
         needed = self.strict_threshold if rules.other_slot(a, b) else self.threshold
         return similarity >= needed
