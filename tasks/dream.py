@@ -53,6 +53,8 @@ class RunOutcome:
     entries_summarized: int = 0
     entries_written: int = 0
     groups_deferred: int = 0
+    #: Deferred work worth another try at the next pass (see ``SummaryCounts.retry_soon``).
+    retry_soon: bool = False
     cost_usd: float = 0.0
     error: str | None = None
     # Profiles written for the user by this run (0: their memory had not changed).
@@ -315,6 +317,7 @@ def _summarize(
     outcome.entries_summarized = summary.summarized
     outcome.entries_written = summary.written
     outcome.groups_deferred = summary.deferred
+    outcome.retry_soon = summary.retry_soon > 0
     outcome.error = summary.note()  # the ledger says what was deferred, and why
 
 
@@ -341,8 +344,9 @@ def _finish(
         schedule.mark_dreamed(
             session, user_id, started, db_now(session) + timedelta(hours=settings.dream_interval_hours)
         )
-        if outcome.groups_deferred:
-            # Work left over (budget, transient errors) is carried to the next pass.
+        if outcome.retry_soon:
+            # Work left over (budget, transient errors) is carried to the next pass; a
+            # group the model could not summarize waits for the next scheduled dream.
             schedule.mark_dirty(session, user_id)
 
     # Retried on a lost connection: a run must not stay "running" because one died.
@@ -611,7 +615,8 @@ class _Chunk:
             next_at = db_now(session) + timedelta(hours=self.settings.dream_interval_hours)
             schedule.mark_dreamed_many(session, sorted(held), self.at, next_at)
             # Work left over (budget, time, transient errors) is carried to the next pass.
-            left_over = ({o.user_id for o in outcomes if o.groups_deferred} | set(self.carried)) & held
+            # (A group the model could not summarize waits for the next scheduled dream.)
+            left_over = ({o.user_id for o in outcomes if o.retry_soon} | set(self.carried)) & held
             schedule.mark_dirty_many(session, sorted(left_over))
             locks.release_many(session, sorted(held), self.keeper.token)
 

@@ -13,7 +13,10 @@ leaves the group untouched and deferred (a summary that silently lost part of th
 replace the originals by less than they said). Under the cost cap, when the budget
 left cannot pay for a full output ceiling, the call is made with a smaller one (never
 below what the group's own keys and values take) and the smaller groups that follow
-are still tried; the run's ledger row counts the deferred groups (and says why).
+are still tried; the run's ledger row counts the deferred groups (and says why). A
+group refused by the budget or a transient error is tried again at the next pass; one
+the model could not summarize (an unusable reply, which would most likely come back,
+and be paid for, again) at the user's next scheduled dream.
 
 A group whose prompt is longer than the model's context window is split in two halves
 (each still at least ``summarizeMinEntries``), each summarized on its own; one too
@@ -70,6 +73,11 @@ class SummaryCounts:
     budget_scope: str | None = None
     #: Why groups were deferred to the next run, with counts.
     reasons: Counter[str] = field(default_factory=Counter)
+    #: Deferred groups worth another try soon (the budget, a transient error, a group
+    #: changed meanwhile); the others (an unusable reply, a group too long for the
+    #: model) would most likely fail, and be paid for, the same way again: they wait
+    #: for the user's next scheduled dream.
+    retry_soon: int = 0
 
     def note(self) -> str | None:
         """One line for the run's ledger: what was deferred and why (None: nothing was)."""
@@ -215,8 +223,9 @@ def summarize_user(
 ) -> SummaryCounts:
     """Summarize the user's groups; model errors other than transient ones propagate.
 
-    Transient model errors, unusable replies (the group is left unchanged), groups
-    changed meanwhile and groups the budget cannot pay for are deferred to the next run.
+    Transient model errors, groups changed meanwhile and groups the budget cannot pay
+    for are deferred to the next pass (``retry_soon``); unusable replies (the group is
+    left unchanged) to the user's next scheduled dream.
     ``keep_alive`` runs before each group and ``hold`` inside each replacing
     transaction, before it commits; either may raise to stop (the run lost its lease).
     """
@@ -244,8 +253,9 @@ class _Pass:
         # groups are tried only if their least reservation fits it.
         self.budget_left: int | None = None
 
-    def _defer(self, reason: str) -> None:
+    def _defer(self, reason: str, *, retry_soon: bool = False) -> None:
         self.counts.deferred += 1
+        self.counts.retry_soon += retry_soon
         self.counts.reasons[reason[:160]] += 1
         log.info("summarize_group_deferred", user=user_ref(self.user_id), reason=reason[:200])
 
@@ -274,7 +284,7 @@ class _Pass:
             new_ids = replace_group(session, self.table, group, items, run_id=self.run_id)
             self.hold(session)
         if new_ids is None:
-            self._defer("changed while summarized")
+            self._defer("changed while summarized", retry_soon=True)
             return
         self.counts.summarized += len(group)
         self.counts.written += len(new_ids)
@@ -290,6 +300,7 @@ class _Pass:
         floor = min_output_tokens(settings, group)
         if self.budget_left is not None and llm.reservation_floor_nano(settings, messages, floor) > self.budget_left:
             self.counts.deferred += 1
+            self.counts.retry_soon += 1
             self.counts.reasons[f"{self.counts.budget_scope} budget exhausted"] += 1
             return None
         try:
@@ -306,6 +317,7 @@ class _Pass:
             if self.budget_left is None:
                 log.info("summarize_budget_exhausted", user=user_ref(self.user_id), scope=exhausted.scope)
             self.counts.deferred += 1
+            self.counts.retry_soon += 1
             self.counts.budget_scope = exhausted.scope
             self.counts.reasons[f"{exhausted.scope} budget exhausted"] += 1
             self.budget_left = usd_to_nano(exhausted.remaining)
@@ -314,7 +326,7 @@ class _Pass:
             self._defer(f"unusable reply: {exc.reason}")
             return None
         except TransientError as exc:
-            self._defer(str(exc))
+            self._defer(str(exc), retry_soon=True)
             return None
         self.counts.cost_usd += reply.cost_usd
         if self.budget_left is not None:

@@ -202,3 +202,38 @@ def test_two_groups_summaries_never_share_a_key_nor_contradict_each_other(
     assert (again.contradictions_found, again.entries_pruned) == (0, 0)
     after = list(entries_of(settings, "u1").values())
     assert len(after) == 4 and not any(r["conflicted"] for r in after)
+
+
+def _dirty(settings: Settings, user: str) -> bool:
+    from store.models import UserState
+
+    with session_scope(settings) as session:
+        state = session.get(UserState, user)
+        return state is not None and state.dirty_since is not None
+
+
+def test_a_group_the_model_cannot_summarize_waits_for_the_next_scheduled_dream(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An unusable reply would come back the same, and be paid for again, at every pass:
+    # the user is not marked for the next one.
+    seed(pg_settings, _six())
+    _script(monkeypatch, json.dumps([{"key": "k", "value": "x" * 1001}]))
+    outcome = dream_user(pg_settings, "u1")
+    assert outcome.groups_deferred == 1 and outcome.cost_usd > 0
+    assert "unusable reply" in (outcome.error or "")
+    assert not _dirty(pg_settings, "u1")
+    # The chunked path (beat's dispatcher, ``reverie run``) decides the same way.
+    from tasks.dream import dream_users
+
+    seed(pg_settings, _six("u2"))
+    [chunked] = dream_users(pg_settings, ["u2"])
+    assert chunked.groups_deferred == 1 and not _dirty(pg_settings, "u2")
+
+
+def test_a_group_the_budget_cannot_pay_for_is_tried_again_at_the_next_pass(pg_settings: Settings) -> None:
+    settings = pg_settings.model_copy(update={"max_cost_per_day": 1e-9})
+    seed(settings, _six())
+    outcome = dream_user(settings, "u1")
+    assert outcome.groups_deferred == 1 and "budget exhausted" in (outcome.error or "")
+    assert _dirty(settings, "u1")
