@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +51,20 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
+    # SQLite has no hash function: the fingerprints of profiles need one (see
+    # ``store.profiles.content_hash``).
+    dbapi_connection.create_function(SQLITE_HASH, -1, sqlite_hash, deterministic=True)
+
+
+#: The hash function every SQLite connection of Reverie's has (any number of arguments).
+SQLITE_HASH = "reverie_hash"
+
+
+def sqlite_hash(*parts: Any) -> int:
+    """A hash of the values' text joined by ``\x1f`` (NULL as the empty text), a signed
+    32-bit number: SQLite's stand-in for PostgreSQL's ``hashtext``."""
+    joined = "\x1f".join("" if part is None else str(part) for part in parts)
+    return zlib.crc32(joined.encode("utf-8", "surrogatepass")) - 2**31
 
 
 @dataclass(frozen=True)

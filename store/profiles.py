@@ -16,7 +16,6 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 from sqlalchemy import (
-    BigInteger,
     ColumnElement,
     DateTime,
     FromClause,
@@ -45,7 +44,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
 from store.bulk import insert_rows
-from store.db import driver_cursor
+from store.db import SQLITE_HASH, driver_cursor
 from store.entry_state import prunable_where, users_in
 from store.models import EntryState, Profile, query_name
 
@@ -88,20 +87,13 @@ def content_hash(session: Session, table: Table, last_access_column: str | None 
     host's last-access column), so any change to one row is seen, whoever made it: an
     application write that leaves ``updated_at`` alone, an older row's time moved, a
     recall recorded in the host's column, recalls or a mark moved from one row to
-    another. PostgreSQL hashes the text; SQLite, which has no hash function, sums lengths
-    and weighs the numbers by the key, so a swap between two keys shows too."""
+    another. PostgreSQL hashes the parts' text with ``hashtext``; SQLite with the
+    function every connection of Reverie's has (:func:`store.db.sqlite_hash`)."""
     if session.get_bind().dialect.name == "postgresql":
         return _pg_content_hash(table, last_access_column)
-    parts = _shown_parts(table)
-    lengths = sum((func.length(part) for part in parts[1:]), func.length(parts[0]))
-    # Small enough that a user's sum stays an integer of 64 bits.
-    weight = func.length(table.c.key) % 89 + func.coalesce(func.unicode(table.c.key), 0) % 97 + 1
-    millis = [
-        func.coalesce(cast(func.julianday(t) * 86_400_000, BigInteger) % 1_000_000_007, 0)
-        for t in _ranked_times(table, last_access_column)
-    ]
-    marks = func.coalesce(table.c.access_count, 0) * 7 + case((table.c.conflicted.is_(True), 3), else_=0)
-    return lengths + sum(millis, marks) * weight
+    ranked = [table.c.conflicted, table.c.access_count, *_ranked_times(table, last_access_column)]
+    hashed: ColumnElement[Any] = getattr(func, SQLITE_HASH)(*_shown_parts(table), *ranked)
+    return hashed
 
 
 def _shown_parts(table: Table) -> list[ColumnElement[Any]]:

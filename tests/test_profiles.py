@@ -1102,7 +1102,8 @@ def _lines_of(settings: Settings, user: str) -> list[str]:
 
 def test_a_change_that_only_reorders_or_moves_a_mark_rebuilds_the_profile(store_settings: Settings) -> None:
     # Every change below leaves the user's row count, latest update, recall sum and
-    # number of contradicted rows as they were: only the per-row fingerprint sees them.
+    # number of contradicted rows as they were: only the per-row fingerprint sees them
+    # (m2's two keys have the same length and the same first letter).
     settings = store_settings
     seed(
         settings,
@@ -1110,8 +1111,8 @@ def test_a_change_that_only_reorders_or_moves_a_mark_rebuilds_the_profile(store_
             entry("m1", "alpha_note", "A", visibility="global", agent=None, age_days=1),
             entry("m1", "beta_note", "B", visibility="global", agent=None, age_days=3),
             entry("m1", "gamma_note", "C", visibility="global", agent=None, age_days=6),
-            entry("m2", "first_note", "F", visibility="global", agent=None, age_days=2, access_count=3),
-            entry("m2", "second_note", "S", visibility="global", agent=None, age_days=2, access_count=10),
+            entry("m2", "favorite_food", "F", visibility="global", agent=None, age_days=2, access_count=3),
+            entry("m2", "favorite_book", "S", visibility="global", agent=None, age_days=2, access_count=10),
         ],
     )
     with session_scope(settings) as session:
@@ -1121,7 +1122,7 @@ def test_a_change_that_only_reorders_or_moves_a_mark_rebuilds_the_profile(store_
         table = table_for(settings)
         assert set(_refresh(settings, ["m1", "m2"])) == {"m1", "m2"}
         assert _lines_of(settings, "m1") == ["- alpha note: A", "- beta note: B", "- gamma note: C"]
-        assert _lines_of(settings, "m2") == ["- second note: S", "- first note: F"]
+        assert _lines_of(settings, "m2") == ["- favorite book: S", "- favorite food: F"]
 
         def changed(user: str, where: Any, **values: Any) -> list[str]:
             with session_scope(settings) as session:
@@ -1137,13 +1138,13 @@ def test_a_change_that_only_reorders_or_moves_a_mark_rebuilds_the_profile(store_
         accessed = changed("m1", table.c.key == "gamma_note", last_accessed_at=datetime.now(UTC).replace(tzinfo=None))
         assert accessed == ["- gamma note: C", "- alpha note: A", "- beta note: B"]
         # Two rows' recalls swapped (the same sum).
-        first = table.c.key == "first_note"
-        swapped = changed("m2", table.c.key.in_(["first_note", "second_note"]), access_count=case((first, 10), else_=3))
-        assert swapped == ["- first note: F", "- second note: S"]
+        first, both = table.c.key == "favorite_food", table.c.key.in_(["favorite_food", "favorite_book"])
+        swapped = changed("m2", both, access_count=case((first, 10), else_=3))
+        assert swapped == ["- favorite food: F", "- favorite book: S"]
         # The contradicted mark moved from one row to another (the same count).
         changed("m2", first, conflicted=True)
-        marked = changed("m2", table.c.key.in_(["first_note", "second_note"]), conflicted=~first)
-        assert marked == ["- first note: F", "- second note: S (contradicted)"]
+        marked = changed("m2", both, conflicted=~first)
+        assert marked == ["- favorite food: F", "- favorite book: S (contradicted)"]
         assert _refresh(settings, ["m1", "m2"]) == {}  # and nothing more
     finally:
         with session_scope(store_settings) as session:

@@ -67,7 +67,8 @@ _FENCE = re.compile(r"```[a-zA-Z0-9_-]*\s*(.*?)```", re.DOTALL)
 class MalformedReply(TransientError):
     """The provider answered, but the reply cannot be used: not JSON, cut off at the
     output ceiling, or longer than the ceiling. Its cost was recorded. Transient (a
-    sampled model may answer properly next time); callers bound their attempts."""
+    sampled model may answer properly next time); callers bound their attempts (a
+    summary group waits for the user's next scheduled dream)."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
