@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -228,3 +231,18 @@ def test_run_errors_in_json_output_mask_url_secrets() -> None:
     report.add(RunOutcome(user_id="u", status="failed", run_id=7, error=error))
     [shown] = report.as_dict()["errors"]
     assert shown == "run 7: database unreachable at postgresql://app:***@db/app?sslpassword=***: refused"
+
+
+def test_litellm_logs_through_reverie_handler_from_its_first_import() -> None:
+    # In any process (``reverie run``, not only a worker's tasks): litellm's own handler,
+    # which writes unredacted, is gone as soon as the gateway imports it.
+    code = (
+        "import logging\n"
+        "from worker import llm\n"
+        "llm._load()\n"
+        "names = ('LiteLLM', 'LiteLLM Router', 'LiteLLM Proxy')\n"
+        "print([(len(logging.getLogger(n).handlers), logging.getLogger(n).level >= logging.WARNING) for n in names])\n"
+    )
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, timeout=120)
+    assert out.stdout.strip() == str([(0, True)] * 3)

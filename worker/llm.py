@@ -93,8 +93,12 @@ def _load() -> Any:
             os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
             import litellm
 
+            from worker.logging_setup import route_litellm_logging
             from worker.offline_model import PROVIDER, build_handler
 
+            # Off the stream handler litellm installs at import (its own format, no
+            # redaction, INFO and below): its records go through ours, at WARNING.
+            route_litellm_logging()
             litellm.suppress_debug_info = True
             litellm.telemetry = False
             _litellm = litellm
