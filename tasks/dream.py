@@ -53,7 +53,8 @@ class RunOutcome:
     entries_summarized: int = 0
     entries_written: int = 0
     groups_deferred: int = 0
-    #: Deferred work worth another try at the next pass (see ``SummaryCounts.retry_soon``).
+    #: Deferred work worth another try at the next pass (see ``SummaryCounts.retry_soon``;
+    #: or profiles a transient error kept from being rebuilt).
     retry_soon: bool = False
     cost_usd: float = 0.0
     error: str | None = None
@@ -149,8 +150,10 @@ def _run(
         try:
             _refresh_profiles(settings, {user_id: outcome}, policies, keeper)
         except (TransientError, DatabaseUnavailable) as exc:
-            # The run's memory work is committed; the profiles are rebuilt by the next pass.
+            # The run's memory work is committed; the profiles are rebuilt by the next
+            # pass, which the user is marked for.
             log.warning("dream.profiles_deferred", users=1, error_type=type(exc).__name__)
+            outcome.retry_soon = True
         outcome.status = "succeeded"
     except (PermanentError, LeaseLost) as exc:
         outcome.status = "failed"
@@ -568,8 +571,11 @@ class _Chunk:
         try:
             self.composed = _build_profiles(self.settings, self.outcomes, self.policies, self.keeper)
         except (TransientError, DatabaseUnavailable) as exc:
-            # The runs' own work is committed; the profiles are rebuilt on the next pass.
+            # The runs' own work is committed; the profiles are rebuilt on the next
+            # pass, which the users are marked for.
             log.warning("dream.profiles_deferred", users=len(self.outcomes), error_type=type(exc).__name__)
+            for outcome in self.outcomes.values():
+                outcome.retry_soon = True
 
     def _carry(self, rest: list[RunOutcome]) -> None:
         # Pruned and checked, not summarized (time is up): the next pass summarizes them.

@@ -1182,3 +1182,28 @@ def test_a_line_keeps_the_joiners_and_drops_other_invisible_characters(value: st
     from worker.profile_text import value_text
 
     assert value_text(value) == shown
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_profiles_a_transient_error_kept_from_being_built_are_built_at_the_next_pass(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, chunked: bool
+) -> None:
+    from store.models import UserState
+    from tasks.dream import dream_user
+    from worker.errors import TransientError
+
+    seed(pg_settings, _world("t1"))
+    real_plan = profiles.plan
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise TransientError("the database is busy")
+
+    monkeypatch.setattr(profiles, "plan", failing)
+    outcome = dream_users(pg_settings, ["t1"])[0] if chunked else dream_user(pg_settings, "t1")
+    assert outcome.status == "succeeded" and outcome.profiles_built == 0
+    with session_scope(pg_settings) as session:
+        state = session.get(UserState, "t1")
+        assert state is not None and state.dirty_since is not None  # due again after the dirty delay
+    monkeypatch.setattr(profiles, "plan", real_plan)
+    again = dream_users(pg_settings, ["t1"])[0] if chunked else dream_user(pg_settings, "t1")
+    assert again.profiles_built == 3
