@@ -16,6 +16,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     DateTime,
     FromClause,
@@ -113,11 +114,14 @@ def _ranked_times(table: Table, last_access_column: str | None) -> list[ColumnEl
 
 
 def _pg_content_hash(table: Table, last_access_column: str | None) -> ColumnElement[Any]:
-    # Times as seconds since the epoch: their text would follow the session's TimeZone.
+    # Times as whole microseconds since the epoch: their text would follow the session's
+    # TimeZone and DateStyle (``date_part`` is a third faster than ``extract``'s numeric).
+    times = _ranked_times(table, last_access_column)
+    micros = (cast(func.date_part("epoch", t) * 1_000_000, BigInteger) for t in times)
     ranked = [
         func.coalesce(cast(table.c.conflicted, Text), ""),
         func.coalesce(cast(table.c.access_count, Text), ""),
-        *(func.coalesce(cast(func.extract("epoch", t), Text), "") for t in _ranked_times(table, last_access_column)),
+        *(func.coalesce(cast(m, Text), "") for m in micros),
     ]
     return func.hashtext(func.concat_ws("\x1f", *_shown_parts(table), *ranked))
 
