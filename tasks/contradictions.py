@@ -212,8 +212,19 @@ def _same_keys(matcher: KeyMatcher, keys: list[tuple[str, str]]) -> dict[tuple[s
     return labels
 
 
+def _unseen(rows: list[Any], book: PolicyBook) -> set[str]:
+    """The ids of rows whose owner's policy turns detection off: their contradictions are
+    not looked at, so they are not closed either (their values may still disagree)."""
+    return {str(row.id) for row in rows if not book.for_agent(row.source_agent_id).detects}
+
+
 def _detect_user(
-    work: _Pass, groups: dict[str, list[Any]], already_open: dict[str, Contradiction], *, scoped: bool
+    work: _Pass,
+    groups: dict[str, list[Any]],
+    already_open: dict[str, Contradiction],
+    *,
+    scoped: bool,
+    unseen: set[str],
 ) -> None:
     contradicting: set[str] = set()
     for norm_key, rows in groups.items():
@@ -225,6 +236,9 @@ def _detect_user(
     if scoped:
         # An agent-scoped run only closes what it could see.
         stale = [c for c in stale if c.norm_key in groups]
+    # Nor does any run close one it no longer looks at: detection was turned off for an
+    # owner of its rows, not made to agree.
+    stale = [c for c in stale if unseen.isdisjoint(store.entry_ids_of(c))]
     work.close_stale(stale)
 
 
@@ -246,7 +260,8 @@ def detect(
     groups = _groups(rows, book, owners, matcher)
     writes = _Writes()
     work = _Pass(session, settings, table, user_id, book, at, run_id, writes)
-    _detect_user(work, groups, store.open_by_key(session, user_id), scoped=owners is not None)
+    unseen = _unseen(rows, book)
+    _detect_user(work, groups, store.open_by_key(session, user_id), scoped=owners is not None, unseen=unseen)
     writes.flush(session, table)
     return work.counts()
 
@@ -273,8 +288,9 @@ def detect_many(
     counts: dict[str, ContradictionCounts] = {}
     for user_id in users:
         work = _Pass(session, settings, table, user_id, book, at, runs[user_id], writes)
-        groups = _groups(by_user.get(user_id, []), book, None, matcher)
-        _detect_user(work, groups, already_open.get(user_id, {}), scoped=False)
+        mine = by_user.get(user_id, [])
+        groups = _groups(mine, book, None, matcher)
+        _detect_user(work, groups, already_open.get(user_id, {}), scoped=False, unseen=_unseen(mine, book))
         counts[user_id] = work.counts()
     writes.flush(session, table)
     return counts

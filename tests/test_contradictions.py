@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+import pytest
+from sqlalchemy import delete, func, select, update
 from structlog.testing import capture_logs
 
 from store.db import session_scope
@@ -207,3 +208,37 @@ def test_prefilter_keeps_synonym_pairs_when_told_which_keys_mean_the_same(pg_set
         told = contradiction_candidates(session, table, ["p1", "p2"], same_keys)
     assert {(r.user_id, r.key) for r in loose_only} == set()
     assert {(r.user_id, r.key) for r in told} == {("p1", "birthday"), ("p1", "date_of_birth")}
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_turning_detection_off_leaves_open_contradictions_open_and_flagged(
+    pg_settings: Settings, chunked: bool
+) -> None:
+    # Off means "stop looking", not "the values agree": nothing is closed or unflagged.
+    def dream(settings: Settings) -> None:
+        if chunked:
+            dream_users(settings, ["u1"])
+        else:
+            dream_user(settings, "u1")
+
+    settings = _settings(pg_settings)
+    en, de = seed(
+        settings, [entry("u1", "language", "English", agent="a"), entry("u1", "language", "German", agent="b")]
+    )
+    dream(settings)
+    assert [c.status for c in _contradictions(settings)] == ["open"]
+    dream(_settings(pg_settings, detect_contradictions=False))
+    with session_scope(settings) as session:
+        session.add(Policy(agent_id="b", config={"detectContradictions": False}))
+    dream(settings)
+    assert [c.status for c in _contradictions(settings)] == ["open"]
+    assert {r["conflicted"] for r in entries_of(settings, "u1").values()} == {True}
+    # Looked at again, and made to agree: closed.
+    with session_scope(settings) as session:
+        session.execute(delete(Policy))
+        table = table_for(settings)
+        session.execute(update(table).where(table.c.id == de["id"]).values(value="English"))
+    dream(settings)
+    assert [c.status for c in _contradictions(settings)] == ["closed"]
+    assert {r["conflicted"] for r in entries_of(settings, "u1").values()} == {False}
+    assert en["id"] in entries_of(settings, "u1")
