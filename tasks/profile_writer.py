@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from tasks.profiles import Built
 from worker import metrics
@@ -40,6 +41,15 @@ PURPOSE = "profile"
 OUTPUT_SLACK_TOKENS = 32
 OUTPUT_TOKENS_PER_LINE = 2
 _FENCE = re.compile(r"```[a-zA-Z0-9_-]*\s*(.*?)```", re.DOTALL)
+#: The reply's two shapes, for models that can be held to a JSON schema (llama.cpp's
+#: server makes a grammar of it: the reply is one of the two objects, whole).
+RESPONSE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "anyOf": [
+        {"properties": {"unchanged": {"type": "boolean", "enum": [True]}}, "required": ["unchanged"]},
+        {"properties": {"profile": {"type": "string"}}, "required": ["profile"]},
+    ],
+}
 _HEADER = re.compile(r"^##\s+(?P<title>.+?)\s*$")
 _LEFT_OUT = re.compile(r"^\(\d+ more (?:entry|entries) left out\)$")
 
@@ -162,6 +172,7 @@ class ProfileWriter:
                 max_tokens=ceiling,
                 run_id=self.run_ids.get(user_id),
                 agent_id=agent or None,
+                response_schema=RESPONSE_SCHEMA,
             )
         except BudgetExhausted as exhausted:
             self._keep(user_id, "not_called", f"{exhausted.scope} budget exhausted")

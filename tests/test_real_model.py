@@ -20,11 +20,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
+from structlog.testing import capture_logs
 
 from store.db import session_scope
 from store.models import Signal, Spend
@@ -132,6 +134,9 @@ def test_a_real_small_model_cannot_break_memory(
     with session_scope(settings) as session:
         statuses = dict(session.execute(select(Signal.status, func.count()).group_by(Signal.status)).all())
         errors = [s.last_error or "" for s in session.scalars(select(Signal)).all()]
+        dead = Counter(
+            (s.last_error or "")[:80] for s in session.scalars(select(Signal).where(Signal.status == "dead"))
+        )
         spent = session.execute(
             select(func.coalesce(func.max(Spend.spent_nano), 0)).where(Spend.scope == "day")
         ).scalar_one()
@@ -145,6 +150,7 @@ def test_a_real_small_model_cannot_break_memory(
         "entries": len(written),
         "unsupported": len(unsupported),
         "lost_to_broken_json": lost,
+        "dead_because": dead,
         "spent_usd": spent / 1e9,
         "seconds": round(time.monotonic() - started, 1),
     }
@@ -155,3 +161,90 @@ def test_a_real_small_model_cannot_break_memory(
     assert spent / 1e9 <= DAY_CAP
     if form != "none":
         assert lost == 0, figures
+
+
+_PROFILE_VERDICTS = ("rewritten", "unchanged", "refused", "unusable", "not_called", "failed")
+
+
+def _verdicts() -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    return {
+        v: REGISTRY.get_sample_value("dream_profile_model_replies_total", {"verdict": v}) or 0.0
+        for v in _PROFILE_VERDICTS
+    }
+
+
+@pytest.mark.parametrize("form", ["json_object_schema", "none"])
+def test_a_real_small_model_writing_profiles_adds_no_fact_and_keeps_the_budget(
+    pg_settings: Settings, llama_server: str, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    # The model writes every profile (REVERIE_PROFILE_WRITER=model): whatever it answers,
+    # a profile holds only lines of entries its agent may see, of its own user, within
+    # the budget as the model's tokenizer counts it; a refused answer leaves the
+    # deterministic profile; the day cap holds.
+    from store.models import Profile
+    from tasks.dream import dream_users
+    from tests.dream_seed import entry, seed
+    from worker import llm
+    from worker import profile_text as fmt
+
+    monkeypatch.setenv("OPENAI_API_KEY", "not-needed-on-loopback")
+    settings = _settings(pg_settings, llama_server, form).model_copy(
+        update={"profile_writer": "model", "summarize_interactions": False, "profile_token_budget": 120}
+    )
+    users = ["p1", "p2"]
+    seed(
+        settings,
+        [
+            row
+            for user in users
+            for row in (
+                entry(user, "home_city", f"Lisbon ({user})", visibility="global", agent="travel"),
+                entry(user, "favorite_color", "blue", category="preference", agent="travel"),
+                entry(user, "seat", "aisle, near the front", category="preference", agent="travel"),
+                entry(user, "job_title", "night nurse at the central hospital", visibility="global", agent="coach"),
+                entry(user, "diet", "vegetarian", category="preference", agent="coach"),
+                entry(user, "dog_name", "Rex", visibility="global", agent="coach"),
+                entry(user, "project", "moving house in May", category="work", agent="coach"),
+                entry(user, "follow_up", "send the lease to the landlord", category="task", agent="coach"),
+            )
+        ],
+    )
+    before = _verdicts()
+    started = time.monotonic()
+    with capture_logs() as logs:
+        outcomes = dream_users(settings, users)
+    reasons = Counter(e["reason"] for e in logs if e["event"] == "profile_model_reply_not_kept")
+    assert {o.status for o in outcomes} == {"succeeded"}
+    with session_scope(settings) as session:
+        stored = list(session.scalars(select(Profile)))
+        session.expunge_all()
+        spent = session.execute(
+            select(func.coalesce(func.max(Spend.spent_nano), 0)).where(Spend.scope == "day")
+        ).scalar_one()
+    after = _verdicts()
+    asked = {v: after[v] - before[v] for v in _PROFILE_VERDICTS}
+    by_model = [p for p in stored if p.layout.get("writer") == "model"]
+    figures = {"form": form, "profiles": len(stored), "asked": asked, "kept": len(by_model), "why": reasons}
+    figures |= {"spent_usd": spent / 1e9, "seconds": round(time.monotonic() - started, 1)}
+    print("REAL-MODEL-PROFILES", json.dumps(figures))
+    assert len(stored) == 2 * 3  # the agent-less profile, travel's and coach's, per user
+    assert sum(asked.values()) == len(stored)  # every profile was put to the model once
+    assert len(by_model) == asked["rewritten"] + asked["unchanged"]
+    for profile in stored:
+        mine = entries_of(settings, profile.user_id).values()
+        visible = [
+            r
+            for r in mine
+            if r["visibility"] == "global" or (profile.agent_id and r["source_agent_id"] == profile.agent_id)
+        ]
+        allowed = {fmt.entry_line(r["key"], r["value"], conflicted=bool(r["conflicted"])) for r in visible}
+        bullets = [line for line in profile.text.splitlines(keepends=True) if line.startswith("- ")]
+        assert set(bullets) <= allowed, (profile.user_id, profile.agent_id)
+        assert len(bullets) == len(set(bullets))
+        assert profile.tokens == llm.count_text_tokens(settings, profile.text) <= profile.budget == 120
+    assert spent / 1e9 <= DAY_CAP
+    if form != "none":
+        # Held to the reply's schema, the model's every answer is one of its two shapes.
+        assert asked["unusable"] == 0, figures
