@@ -128,6 +128,25 @@ def groups_of(rows: list[Any], settings: Settings, book: PolicyBook, owners: Col
     return sorted(eligible, key=lambda g: (-len(g), str(g[0].source_agent_id), g[0].category or "", g[0].visibility))
 
 
+def response_schema(target: int) -> dict[str, Any]:
+    """The reply's shape, for models that can be held to a JSON schema (the wrapper
+    object :func:`parse_reply` takes, as a session end's reply has): at most ``target``
+    entries, each a key and a value within their limits."""
+    entry = {
+        "type": "object",
+        "properties": {
+            "key": {"type": "string", "minLength": 1, "maxLength": MAX_KEY},
+            "value": {"type": "string", "minLength": 1, "maxLength": MAX_VALUE},
+        },
+        "required": ["key", "value"],
+    }
+    return {
+        "type": "object",
+        "properties": {"entries": {"type": "array", "items": entry, "minItems": 1, "maxItems": target}},
+        "required": ["entries"],
+    }
+
+
 def build_messages(rows: list[Any], target: int) -> list[dict[str, str]]:
     """The summarize prompt (``[reverie:summarize]`` tag, JSON input after ``INPUT:``)."""
     task = {
@@ -312,6 +331,7 @@ class _Pass:
                 min_tokens=floor,
                 run_id=self.run_id,
                 agent_id=group[0].source_agent_id,
+                response_schema=response_schema(target),
             )
         except BudgetExhausted as exhausted:
             if self.budget_left is None:

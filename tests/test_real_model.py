@@ -248,3 +248,56 @@ def test_a_real_small_model_writing_profiles_adds_no_fact_and_keeps_the_budget(
     if form != "none":
         # Held to the reply's schema, the model's every answer is one of its two shapes.
         assert asked["unusable"] == 0, figures
+
+
+@pytest.mark.parametrize("form", ["json_object_schema", "none"])
+def test_a_real_small_model_summarizing_replaces_a_group_whole_or_not_at_all(
+    pg_settings: Settings, llama_server: str, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    # Whatever the model answers, a group is replaced whole (its entries archived, at
+    # most the target written) or left as it was; with structured output no answer is
+    # lost to broken JSON; the day cap holds.
+    from store.models import ArchivedEntry
+    from tasks.dream import dream_user
+    from tests.dream_seed import entry, seed
+
+    monkeypatch.setenv("OPENAI_API_KEY", "not-needed-on-loopback")
+    settings = _settings(pg_settings, llama_server, form).model_copy(update={"summarize_interactions": True})
+    notes = [
+        "flew to Porto on Monday",
+        "stayed at a hotel near the river",
+        "took the train back to Lisbon",
+        "booked the same hotel for June",
+        "prefers a window seat on trains",
+        "likes to travel light",
+    ]
+    users = ["s1", "s2", "s3"]
+    rows = [entry(u, f"trip_note_{i}", note, category="context") for u in users for i, note in enumerate(notes)]
+    seed(settings, rows)
+    started = time.monotonic()
+    outcomes = [dream_user(settings, user) for user in users]
+    with session_scope(settings) as session:
+        archived = Counter(a.user_id for a in session.scalars(select(ArchivedEntry)))
+        spent = session.execute(
+            select(func.coalesce(func.max(Spend.spent_nano), 0)).where(Spend.scope == "day")
+        ).scalar_one()
+    figures = {
+        "form": form,
+        "summarized": [o.entries_summarized for o in outcomes],
+        "written": [o.entries_written for o in outcomes],
+        "deferred_because": [o.error for o in outcomes if o.groups_deferred],
+        "spent_usd": spent / 1e9,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    print("REAL-MODEL-SUMMARIES", json.dumps(figures))
+    for user, outcome in zip(users, outcomes, strict=True):
+        left = entries_of(settings, user)
+        assert outcome.status == "succeeded", figures
+        if outcome.entries_summarized:
+            assert outcome.entries_summarized == len(notes) == archived[user]
+            assert 0 < outcome.entries_written <= settings.summarize_target_entries == len(left)
+        else:
+            assert outcome.groups_deferred == 1 and archived[user] == 0 and len(left) == len(notes)
+            if form != "none":
+                assert "JSON" not in (outcome.error or ""), figures
+    assert spent / 1e9 <= DAY_CAP
