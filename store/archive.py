@@ -12,7 +12,10 @@ application has changed since (its ``updated_at`` is no longer the one Reverie w
 left as it is and reported. A removed row whose id or upsert key is taken again is left
 in the archive and reported as a conflict. Every row put back is recorded as a
 ``restore`` event, and counts as recalled at the restore, so it is not pruned again
-before ``pruneStaleAfterDays`` have passed since.
+before ``pruneStaleAfterDays`` have passed since; nor is it removed again by
+``keep_newest`` (a contradiction it is part of is flagged instead). The users whose
+memory a restore changed are dreamed again after the dirty delay (their profiles
+rebuilt).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from sqlalchemy import ColumnElement, DateTime, MetaData, Table, and_, delete, f
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from store import entry_state
+from store import entry_state, schedule
 from store.memories import (
     Removed,
     archive_rows,
@@ -126,6 +129,9 @@ def _restore(
     if restored:
         session.execute(update(ArchivedEntry).where(ArchivedEntry.id.in_(restored)).values(restored_at=now()))
     writes.finish()
+    # Their memory changed: dreamed again after the dirty delay, so their profiles are
+    # rebuilt then rather than at their next scheduled dream.
+    schedule.mark_dirty_many(session, sorted({r.user_id for r in (*writes.done, *removed)}))
     return Restored(
         run_id=run_id,
         signal_id=signal_id,

@@ -242,6 +242,19 @@ def _remove_portable(
     return removed
 
 
+def restored_entries(session: Session, user_ids: Sequence[str]) -> set[tuple[str, str]]:
+    """The (user id, entry id) of every entry of these users a restore put back (its
+    ``restore`` events): a restore that ``keep_newest`` would undo at the next pass."""
+    if not user_ids:
+        return set()
+    found = session.execute(
+        select(Event.user_id, Event.entry_id)
+        .where(Event.user_id.in_(sorted(set(user_ids))), Event.action == "restore")
+        .distinct()
+    )
+    return {(user_id, entry_id) for user_id, entry_id in found}
+
+
 def record_events(
     session: Session,
     entries: list[Removed],

@@ -30,6 +30,7 @@ from store.memories import (
     contradiction_candidates,
     loose_key,
     remove_entries,
+    restored_entries,
     set_conflicted,
     table_for,
     unchanged_since_read,
@@ -96,6 +97,9 @@ class _Pass:
     found: int = 0
     resolved: int = 0
     removed: int = 0
+    #: Ids of the user's entries a restore put back: ``keep_newest`` flags them, never
+    #: removes them again (the restore would be undone by the next pass).
+    restored: frozenset[str] = frozenset()
 
     def record(self, norm_key: str, rows: list[Any], resolution: str, *, closed: bool = False) -> None:
         self.found += 1
@@ -113,7 +117,7 @@ class _Pass:
         )
 
     def handle(self, norm_key: str, rows: list[Any], existing: Contradiction | None) -> None:
-        losers = _losers(self.settings, self.book, rows)
+        losers = [r for r in _losers(self.settings, self.book, rows) if str(r.id) not in self.restored]
         if losers:
             # Only while each loser still holds what it was judged on: a row the
             # application changed since the read stays.
@@ -260,6 +264,7 @@ def detect(
     groups = _groups(rows, book, owners, matcher)
     writes = _Writes()
     work = _Pass(session, settings, table, user_id, book, at, run_id, writes)
+    work.restored = frozenset(e for _, e in _restored(session, book, [user_id]))
     unseen = _unseen(rows, book)
     _detect_user(work, groups, store.open_by_key(session, user_id), scoped=owners is not None, unseen=unseen)
     writes.flush(session, table)
@@ -284,16 +289,29 @@ def detect_many(
     for row in contradiction_candidates(session, table, users, same_keys):
         by_user[row.user_id].append(row)
     already_open = store.open_by_user(session, users)
+    restored: dict[str, set[str]] = defaultdict(set)
+    for user_id, entry_id in _restored(session, book, users):
+        restored[user_id].add(entry_id)
     writes = _Writes()
     counts: dict[str, ContradictionCounts] = {}
     for user_id in users:
         work = _Pass(session, settings, table, user_id, book, at, runs[user_id], writes)
+        work.restored = frozenset(restored.get(user_id, ()))
         mine = by_user.get(user_id, [])
         groups = _groups(mine, book, None, matcher)
         _detect_user(work, groups, already_open.get(user_id, {}), scoped=False, unseen=_unseen(mine, book))
         counts[user_id] = work.counts()
     writes.flush(session, table)
     return counts
+
+
+def _restored(session: Session, book: PolicyBook, users: list[str]) -> set[tuple[str, str]]:
+    """The users' restored entries, where any policy removes contradicted rows (else
+    nothing is removed, and nothing is looked up)."""
+    policies = (book.default, *book.agents.values())
+    if not any(p.contradictionResolution == "keep_newest" for p in policies):
+        return set()
+    return restored_entries(session, users)
 
 
 def _losers(settings: Settings, book: PolicyBook, rows: list[Any]) -> list[Any]:

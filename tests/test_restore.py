@@ -58,3 +58,44 @@ def test_restore_leaves_a_row_whose_key_was_taken_again(pg_settings: Settings) -
         result = restore_run(session, table_for(settings), run_id)
     assert (result.restored, result.conflicts) == (0, 1)
     assert [r["value"] for r in entries_of(settings, "u1").values()] == ["Hilton"]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_restore_under_keep_newest_sticks_and_the_profile_follows_it(store_settings: Settings, chunked: bool) -> None:
+    # The restored older value is flagged as contradicted from then on, never archived
+    # again; the user is due after the dirty delay, and that dream rebuilds the profile.
+    from sqlalchemy import select, update
+
+    from store.models import Profile, UserState
+    from tasks.dream import dream_users
+
+    settings = store_settings.model_copy(
+        update={"contradiction_resolution": "keep_newest", "summarize_interactions": False}
+    )
+
+    def dream() -> None:
+        if chunked and settings.database_url.startswith("postgresql"):
+            dream_users(settings, ["u1"])
+        else:
+            dream_user(settings, "u1")
+
+    older, newer = seed(
+        settings,
+        [entry("u1", "city", "Berlin", agent="a", age_days=10), entry("u1", "City", "Paris", agent="b", age_days=1)],
+    )
+    outcome = dream_user(settings, "u1")
+    assert outcome.contradictions_resolved == 1 and set(entries_of(settings, "u1")) == {newer["id"]}
+    assert outcome.run_id is not None
+    with session_scope(settings) as session:
+        session.execute(update(UserState).values(dirty_since=None))
+        assert restore_run(session, table_for(settings), outcome.run_id).restored == 1
+        state = session.get(UserState, "u1")
+        assert state is not None and state.dirty_since is not None  # due again soon
+    dream()
+    dream()
+    rows = entries_of(settings, "u1")
+    assert set(rows) == {older["id"], newer["id"]}
+    assert {r["conflicted"] for r in rows.values()} == {True}
+    with session_scope(settings) as session:
+        texts = {p.agent_id: p.text for p in session.scalars(select(Profile).where(Profile.user_id == "u1"))}
+    assert "Berlin (contradicted)" in texts["a"] and "Paris (contradicted)" in texts["b"]
