@@ -43,9 +43,10 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine.interfaces import ReflectedColumn
 from sqlalchemy.orm import Session
 
+from store.db import get_engine
 from store.models import ArchivedEntry, Event, memory_table, query_name
 from store.types import now
-from worker.errors import TransientError
+from worker.errors import ConfigError, TransientError
 from worker.settings import Settings
 
 
@@ -59,6 +60,21 @@ class Removed:
 def table_for(settings: Settings) -> Table:
     """The memory table named by the settings."""
     return memory_table(settings.memory_table, settings.memory_last_access_column)
+
+
+def check_memory_table(settings: Settings) -> None:
+    """Raise :class:`ConfigError` when the host's table lacks the last-access column the
+    settings name (every dream would fail on it): commands check before any work."""
+    name = settings.memory_last_access_column
+    if not name:
+        return
+    inspector = inspect(get_engine(settings))
+    if not inspector.has_table(settings.memory_table):
+        return  # not migrated yet: said elsewhere
+    if name not in {column["name"] for column in inspector.get_columns(settings.memory_table)}:
+        raise ConfigError(
+            f"REVERIE_MEMORY_LAST_ACCESS_COLUMN={name}: the memory table {settings.memory_table} has no such column"
+        )
 
 
 def quoted_name(session: Session, table: Table) -> str:

@@ -295,6 +295,40 @@ def test_erase_user_json_is_the_only_thing_on_stdout_and_its_log_line_goes_to_st
         assert [json.loads(line)["event"] for line in result.stderr.splitlines()] == ["user_erased"]
 
 
+@pytest.mark.parametrize(
+    ("column", "needles"),
+    [
+        ("no_such_col", ("REVERIE_MEMORY_LAST_ACCESS_COLUMN=no_such_col", "has no such column")),
+        ("updated_at", ("REVERIE_MEMORY_LAST_ACCESS_COLUMN", "memory table's own columns")),
+    ],
+)
+def test_a_last_access_column_that_cannot_be_used_stops_run_and_health_in_one_line(
+    pg_settings: Settings, column: str, needles: tuple[str, ...]
+) -> None:
+    # Said before any work: not one failed run per user, and not only once users are due.
+    from sqlalchemy import func, select
+
+    from store.db import session_scope
+    from store.models import Run
+
+    _seed_one_entry(pg_settings, "u-col")
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_MEMORY_LAST_ACCESS_COLUMN": column}
+    for args in (["run", "--all", "--json"], ["run"], ["health"]):
+        result = run(args, env=env)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert_one_line_error(result, *needles)
+        assert result.stdout == ""
+    with session_scope(pg_settings) as session:
+        assert session.scalar(select(func.count()).select_from(Run)) == 0
+
+
+def test_the_memory_columns_a_last_access_column_may_not_be_are_the_tables_own() -> None:
+    from store.models import memory_table
+    from worker.settings import EDDI_MEMORY_COLUMNS
+
+    assert {column.name for column in memory_table().columns} == EDDI_MEMORY_COLUMNS
+
+
 # -- reverie health: what the container healthchecks run ------------------------------------
 
 

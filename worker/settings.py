@@ -27,6 +27,13 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
+#: The columns of EDDI's memory table (``store.models.memory_table``; a test holds them equal).
+EDDI_MEMORY_COLUMNS = frozenset(
+    {"id", "user_id", "key", "value", "category", "visibility", "source_agent_id", "group_ids"}
+    | {"source_conversation_id", "conflicted", "access_count", "created_at", "updated_at"}
+)
+
+
 class Settings(BaseSettings):
     """Every knob Reverie has. Per-agent policies override the dream defaults."""
 
@@ -186,6 +193,14 @@ class Settings(BaseSettings):
             except LexiconInvalid as exc:
                 raise ValueError(exc.reason) from exc
         return path
+
+    @field_validator("memory_last_access_column")
+    @classmethod
+    def _not_a_memory_column(cls, name: str | None) -> str | None:
+        # One of EDDI's own columns would be selected twice, and every dream would fail.
+        if name and name.lower() in EDDI_MEMORY_COLUMNS:
+            raise ValueError(f"{name!r} is one of the memory table's own columns, not a last-access column")
+        return name
 
     @field_validator("database_url")
     @classmethod

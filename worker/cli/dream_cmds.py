@@ -27,6 +27,7 @@ def run(
     """One pass in this process: pending signals, then the users that are due."""
     from schedules.cron import run_once
     from store.db import check_connection
+    from store.memories import check_memory_table
 
     if user and all_users:
         fail("--user and --all exclude each other", code=2)
@@ -37,6 +38,7 @@ def run(
     # Logs go to stderr, so --json output on stdout stays one JSON object.
     configure_logging(settings)
     check_connection(settings)
+    check_memory_table(settings)
     # After the connection check, so a database that is not there is still one line.
     warn_if_public_hash_key(settings, process="run")
     show_progress = not as_json and sys.stderr.isatty()

@@ -21,6 +21,7 @@ def health(
     """Exit 0 when the database answers and is at the current schema (and, as asked,
     the broker answers and /metrics is served); otherwise one line and exit 1."""
     from store.db import check_connection, safe_url
+    from store.memories import check_memory_table
     from store.migrate import current_revision, head_revision
 
     settings = load_settings()
@@ -29,6 +30,7 @@ def health(
     if revision != head:
         where = safe_url(settings.database_url)
         fail(f"database {where} is at revision {revision or 'none'}, not {head}: run reverie migrate")
+    check_memory_table(settings)
     checked = [f"database at revision {head}"]
     if broker:
         _check_broker(settings.broker_url)
