@@ -65,6 +65,23 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path: Path) -> None:
     assert "(contradicted)" not in before
     assert "- favourite colour: blue\n" in after and "- home airport: Munich\n" in after
     assert "- language: English (contradicted)" in after and "green" not in after
+    # The last line says how to reach the demo's store; its command, run as it is, works.
+    hint = out.strip().splitlines()[-1]
+    command = hint.split(": ", 1)[1].split()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    env[command[0].split("=", 1)[0]] = command[0].split("=", 1)[1]
+    shown = subprocess.run(
+        [sys.executable, "-c", "from worker.cli import main; main()", *command[2:]],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "- home airport: Munich" in shown.stdout
+    assert not (tmp_path / "reverie.db").exists()
 
 
 def test_demo_prints_each_user_beside_the_reference_its_log_lines_use(tmp_path: Path) -> None:

@@ -91,6 +91,11 @@ def run_demo(path: Path, console: Console | None = None) -> dict[str, Any]:
     after = _profile_now(settings, build=False)
     summary["profile_after"] = after.text
     _print_profile(out, "after the signals and the dream", after)
+    user, agent = demo_world.PROFILE_SHOWN
+    # Other commands read ``./reverie.db`` unless told otherwise: say how to reach this store.
+    url = f"sqlite:///{path.resolve()}"
+    hint = f"Look further into this store: REVERIE_DATABASE_URL={url} reverie profile {user} --agent {agent}"
+    out.print(hint, markup=False, highlight=False, soft_wrap=True)
     dispose_engines()
     return summary
 
