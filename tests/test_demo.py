@@ -28,15 +28,12 @@ def _demo(tmp_path: Path) -> subprocess.CompletedProcess[str]:
             "COLUMNS": "200",
         }
     )
-    return subprocess.run(
-        [sys.executable, "-c", "from worker.cli import main; main()", "demo"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return _reverie(["demo"], tmp_path, env)
+
+
+def _reverie(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-c", "from worker.cli import main; main()", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_demo_runs_the_whole_pipeline_offline(tmp_path: Path) -> None:
@@ -70,15 +67,7 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path: Path) -> None:
     command = hint.split(": ", 1)[1].split()
     env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
     env[command[0].split("=", 1)[0]] = command[0].split("=", 1)[1]
-    shown = subprocess.run(
-        [sys.executable, "-c", "from worker.cli import main; main()", *command[2:]],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    shown = _reverie(command[2:], tmp_path, env)
     assert shown.returncode == 0, shown.stderr
     assert "- home airport: Munich" in shown.stdout
     assert not (tmp_path / "reverie.db").exists()
