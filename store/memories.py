@@ -43,7 +43,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine.interfaces import ReflectedColumn
 from sqlalchemy.orm import Session
 
-from store.db import get_engine
+from store.db import has_table, session_scope
 from store.models import ArchivedEntry, Event, memory_table, query_name
 from store.types import now
 from worker.errors import ConfigError, TransientError
@@ -66,12 +66,11 @@ def check_memory_table(settings: Settings) -> None:
     """Raise :class:`ConfigError` when the host's table lacks the last-access column the
     settings name (every dream would fail on it): commands check before any work."""
     name = settings.memory_last_access_column
-    if not name:
-        return
-    inspector = inspect(get_engine(settings))
-    if not inspector.has_table(settings.memory_table):
-        return  # not migrated yet: said elsewhere
-    if name not in {column["name"] for column in inspector.get_columns(settings.memory_table)}:
+    if not name or not has_table(settings, settings.memory_table):
+        return  # nothing to check, or not migrated yet (said elsewhere)
+    with session_scope(settings) as session:
+        columns = {column["name"] for column in host_columns(session, table_for(settings))}
+    if name not in columns:
         raise ConfigError(
             f"REVERIE_MEMORY_LAST_ACCESS_COLUMN={name}: the memory table {settings.memory_table} has no such column"
         )

@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import Table, insert, select
 from sqlalchemy.orm import Session
 
-from store.memories import Removed, entries_of, record_events, remove_entries
+from store.memories import Removed, entries_of, record_events, remove_entries, user_keys
 from store.types import now
 
 
@@ -51,7 +51,8 @@ def _taken_keys(session: Session, table: Table, user_id: str) -> set[str]:
     # (user, key), others per (user, key, agent)), but two groups' summaries under one
     # key would then be read as one fact with two values, a contradiction, and under
     # ``keep_newest`` one group's summary would be archived.
-    return set(session.scalars(select(table.c.key).where(table.c.user_id == user_id)))
+    # (``_gdpr_`` keys are left out: a summary's never is one.)
+    return {key for _, key in user_keys(session, table, [user_id])}
 
 
 def _free_key(key: str, taken: set[str]) -> str:
