@@ -70,6 +70,9 @@ def check_memory_table(settings: Settings) -> None:
         return  # nothing to check, or not migrated yet (said elsewhere)
     with session_scope(settings) as session:
         columns = {column["name"] for column in host_columns(session, table_for(settings))}
+    if settings.is_sqlite:
+        # SQLite's names are case-insensitive: ``lastaccessed`` reads ``LastAccessed``.
+        name, columns = name.lower(), {column.lower() for column in columns}
     if name not in columns:
         raise ConfigError(
             f"REVERIE_MEMORY_LAST_ACCESS_COLUMN={name}: the memory table {settings.memory_table} has no such column"

@@ -116,12 +116,19 @@ def _ranked_times(table: Table, last_access_column: str | None) -> list[ColumnEl
 def _pg_content_hash(table: Table, last_access_column: str | None) -> ColumnElement[Any]:
     # Times as whole microseconds since the epoch: their text would follow the session's
     # TimeZone and DateStyle (``date_part`` is a third faster than ``extract``'s numeric).
-    times = _ranked_times(table, last_access_column)
-    micros = (cast(func.date_part("epoch", t) * 1_000_000, BigInteger) for t in times)
+    # A host's ``infinity`` or ``-infinity`` (a "never" default) is hashed as that word:
+    # it holds no number of microseconds.
+    micros = (
+        case(
+            (func.isfinite(t), cast(cast(func.date_part("epoch", t) * 1_000_000, BigInteger), Text)),
+            else_=cast(t, Text),
+        )
+        for t in _ranked_times(table, last_access_column)
+    )
     ranked = [
         func.coalesce(cast(table.c.conflicted, Text), ""),
         func.coalesce(cast(table.c.access_count, Text), ""),
-        *(func.coalesce(cast(m, Text), "") for m in micros),
+        *(func.coalesce(m, "") for m in micros),
     ]
     return func.hashtext(func.concat_ws("\x1f", *_shown_parts(table), *ranked))
 

@@ -360,3 +360,17 @@ def test_health_fails_in_one_line_when_a_dependency_is_down(
 def test_health_fails_on_an_unmigrated_database(tmp_path: Path) -> None:
     result = run(["health"], env={"REVERIE_DATABASE_URL": f"sqlite:///{tmp_path / 'new.db'}"})
     assert_one_line_error(result, "run reverie migrate")
+
+
+def test_on_sqlite_the_last_access_column_is_found_whatever_its_case(sqlite_settings: Settings) -> None:
+    from sqlalchemy import text
+
+    from store.db import session_scope
+    from store.memories import check_memory_table
+    from worker.errors import ConfigError
+
+    with session_scope(sqlite_settings) as session:
+        session.execute(text('ALTER TABLE usermemories ADD COLUMN "LastAccessed" TIMESTAMP'))
+    check_memory_table(sqlite_settings.model_copy(update={"memory_last_access_column": "lastaccessed"}))
+    with pytest.raises(ConfigError, match="has no such column"):
+        check_memory_table(sqlite_settings.model_copy(update={"memory_last_access_column": "lastaccess"}))

@@ -1213,3 +1213,24 @@ def test_profiles_a_transient_error_kept_from_being_built_are_built_at_the_next_
     monkeypatch.setattr(profiles, "plan", real_plan)
     again = dream_users(pg_settings, ["t1"])[0] if chunked else dream_user(pg_settings, "t1")
     assert again.profiles_built == 3
+
+
+def test_a_host_time_of_infinity_is_fingerprinted_and_costs_no_other_user_a_profile(pg_settings: Settings) -> None:
+    # '-infinity' is a host's usual "never accessed": no number of microseconds, yet a
+    # fingerprint like any other, and the chunk's other users are built as ever.
+    seed(pg_settings, _world("i1") + _world("i2"))
+    with session_scope(pg_settings) as session:
+        session.execute(
+            sql_text("ALTER TABLE usermemories ADD COLUMN last_accessed_at TIMESTAMPTZ NOT NULL DEFAULT '-infinity'")
+        )
+        session.execute(sql_text("UPDATE usermemories SET last_accessed_at = 'infinity' WHERE user_id = 'i2'"))
+    try:
+        settings = pg_settings.model_copy(update={"memory_last_access_column": "last_accessed_at"})
+        assert set(_refresh(settings, ["i1", "i2"])) == {"i1", "i2"}
+        assert _refresh(settings, ["i1", "i2"]) == {}
+        with session_scope(settings) as session:
+            session.execute(sql_text("UPDATE usermemories SET last_accessed_at = now() WHERE user_id = 'i2'"))
+        assert set(_refresh(settings, ["i1", "i2"])) == {"i2"}
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(sql_text("ALTER TABLE usermemories DROP COLUMN last_accessed_at"))

@@ -31,12 +31,9 @@ def run(
 
     if user and all_users:
         fail("--user and --all exclude each other", code=2)
-    from worker.logging_setup import configure_logging
     from worker.logs import warn_if_public_hash_key
 
-    settings = load_settings()
-    # Logs go to stderr, so --json output on stdout stays one JSON object.
-    configure_logging(settings)
+    settings = load_settings()  # logging to stderr too: --json output stays one JSON object
     check_connection(settings)
     check_memory_table(settings)
     # After the connection check, so a database that is not there is still one line.
