@@ -13,9 +13,9 @@ left as it is and reported. A removed row whose id or upsert key is taken again 
 in the archive and reported as a conflict. Every row put back is recorded as a
 ``restore`` event, and counts as recalled at the restore, so it is not pruned again
 before ``pruneStaleAfterDays`` have passed since; nor is it removed again by
-``keep_newest`` (a contradiction it is part of is flagged instead). The users whose
-memory a restore changed are dreamed again after the dirty delay (their profiles
-rebuilt).
+``keep_newest`` (a contradiction it is part of is flagged instead) while it holds
+what was put back. ``Restored.users`` names the users whose memory changed (``reverie
+restore`` rebuilds their profiles at once).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from sqlalchemy import ColumnElement, DateTime, MetaData, Table, and_, delete, f
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from store import entry_state, schedule
+from store import entry_state
 from store.memories import (
     Removed,
     archive_rows,
@@ -57,6 +57,8 @@ class Restored:
     removed_inserts: int
     changed_since: int = 0
     signal_id: int | None = None
+    #: The users whose memory the restore changed.
+    users: tuple[str, ...] = ()
 
 
 def restore_run(session: Session, table: Table, run_id: int) -> Restored:
@@ -129,9 +131,6 @@ def _restore(
     if restored:
         session.execute(update(ArchivedEntry).where(ArchivedEntry.id.in_(restored)).values(restored_at=now()))
     writes.finish()
-    # Their memory changed: dreamed again after the dirty delay, so their profiles are
-    # rebuilt then rather than at their next scheduled dream.
-    schedule.mark_dirty_many(session, sorted({r.user_id for r in (*writes.done, *removed)}))
     return Restored(
         run_id=run_id,
         signal_id=signal_id,
@@ -139,6 +138,7 @@ def _restore(
         conflicts=conflicts,
         removed_inserts=len(removed),
         changed_since=kept,
+        users=tuple(sorted({r.user_id for r in (*writes.done, *removed)})),
     )
 
 

@@ -260,17 +260,18 @@ def _remove_portable(
     return removed
 
 
-def restored_entries(session: Session, user_ids: Sequence[str]) -> set[tuple[str, str]]:
-    """The (user id, entry id) of every entry of these users a restore put back (its
-    ``restore`` events): a restore that ``keep_newest`` would undo at the next pass."""
+def restored_entries(session: Session, user_ids: Sequence[str]) -> dict[tuple[str, str], datetime]:
+    """(user id, entry id) -> when a restore last put the entry back, for every entry of
+    these users a restore put back (its ``restore`` events, kept
+    ``event_retention_days``): a restore that ``keep_newest`` would undo at the next pass."""
     if not user_ids:
-        return set()
+        return {}
     found = session.execute(
-        select(Event.user_id, Event.entry_id)
+        select(Event.user_id, Event.entry_id, func.max(Event.at))
         .where(Event.user_id.in_(sorted(set(user_ids))), Event.action == "restore")
-        .distinct()
+        .group_by(Event.user_id, Event.entry_id)
     )
-    return {(user_id, entry_id) for user_id, entry_id in found}
+    return {(user_id, entry_id): at for user_id, entry_id, at in found}
 
 
 def record_events(

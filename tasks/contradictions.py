@@ -17,7 +17,7 @@ import re
 from collections import defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Table
@@ -97,9 +97,10 @@ class _Pass:
     found: int = 0
     resolved: int = 0
     removed: int = 0
-    #: Ids of the user's entries a restore put back: ``keep_newest`` flags them, never
-    #: removes them again (the restore would be undone by the next pass).
-    restored: frozenset[str] = frozenset()
+    #: The user's entries a restore put back (id -> when): while one holds what was put
+    #: back (not updated since), ``keep_newest`` flags it, never removes it again (the
+    #: restore would be undone by the next pass).
+    restored: dict[str, datetime] = field(default_factory=dict)
 
     def record(self, norm_key: str, rows: list[Any], resolution: str, *, closed: bool = False) -> None:
         self.found += 1
@@ -117,7 +118,7 @@ class _Pass:
         )
 
     def handle(self, norm_key: str, rows: list[Any], existing: Contradiction | None) -> None:
-        losers = [r for r in _losers(self.settings, self.book, rows) if str(r.id) not in self.restored]
+        losers = [r for r in _losers(self.settings, self.book, rows) if not self._as_restored(r)]
         if losers:
             # Only while each loser still holds what it was judged on: a row the
             # application changed since the read stays.
@@ -147,6 +148,17 @@ class _Pass:
             self.record(norm_key, rows, "flag")
         elif existing.fingerprint != _fingerprint(rows):
             store.refresh(self.session, existing.id, [r.id for r in rows], _fingerprint(rows))
+
+    def _as_restored(self, row: Any) -> bool:
+        """Whether the row is as a restore put it back: written since (by the host, or
+        its id used again), it is a row like any other."""
+        at = self.restored.get(str(row.id))
+        if at is None:
+            return False
+        updated = row.updated_at
+        if updated is not None and updated.tzinfo is not None:
+            updated = updated.astimezone(UTC).replace(tzinfo=None)
+        return updated is None or updated <= at
 
     def close_stale(self, stale: list[Contradiction]) -> None:
         for contradiction in stale:
@@ -264,7 +276,7 @@ def detect(
     groups = _groups(rows, book, owners, matcher)
     writes = _Writes()
     work = _Pass(session, settings, table, user_id, book, at, run_id, writes)
-    work.restored = frozenset(e for _, e in _restored(session, book, [user_id]))
+    work.restored = {e: at for (_, e), at in _restored(session, book, [user_id]).items()}
     unseen = _unseen(rows, book)
     _detect_user(work, groups, store.open_by_key(session, user_id), scoped=owners is not None, unseen=unseen)
     writes.flush(session, table)
@@ -289,14 +301,14 @@ def detect_many(
     for row in contradiction_candidates(session, table, users, same_keys):
         by_user[row.user_id].append(row)
     already_open = store.open_by_user(session, users)
-    restored: dict[str, set[str]] = defaultdict(set)
-    for user_id, entry_id in _restored(session, book, users):
-        restored[user_id].add(entry_id)
+    restored: dict[str, dict[str, datetime]] = defaultdict(dict)
+    for (user_id, entry_id), restored_at in _restored(session, book, users).items():
+        restored[user_id][entry_id] = restored_at
     writes = _Writes()
     counts: dict[str, ContradictionCounts] = {}
     for user_id in users:
         work = _Pass(session, settings, table, user_id, book, at, runs[user_id], writes)
-        work.restored = frozenset(restored.get(user_id, ()))
+        work.restored = restored.get(user_id, {})
         mine = by_user.get(user_id, [])
         groups = _groups(mine, book, None, matcher)
         _detect_user(work, groups, already_open.get(user_id, {}), scoped=False, unseen=_unseen(mine, book))
@@ -305,12 +317,12 @@ def detect_many(
     return counts
 
 
-def _restored(session: Session, book: PolicyBook, users: list[str]) -> set[tuple[str, str]]:
+def _restored(session: Session, book: PolicyBook, users: list[str]) -> dict[tuple[str, str], datetime]:
     """The users' restored entries, where any policy removes contradicted rows (else
     nothing is removed, and nothing is looked up)."""
     policies = (book.default, *book.agents.values())
     if not any(p.contradictionResolution == "keep_newest" for p in policies):
-        return set()
+        return {}
     return restored_entries(session, users)
 
 

@@ -374,3 +374,38 @@ def test_on_sqlite_the_last_access_column_is_found_whatever_its_case(sqlite_sett
     check_memory_table(sqlite_settings.model_copy(update={"memory_last_access_column": "lastaccessed"}))
     with pytest.raises(ConfigError, match="has no such column"):
         check_memory_table(sqlite_settings.model_copy(update={"memory_last_access_column": "lastaccess"}))
+
+
+def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_settings: Settings) -> None:
+    # A dream soon after would summarize restored originals again, and pay for it: the
+    # restore rebuilds the profiles itself.
+    from sqlalchemy import select
+
+    from store.db import session_scope
+    from store.models import Profile, UserState
+    from tasks.dream import dream_user
+    from tests.dream_seed import entry, seed
+
+    seed(
+        pg_settings,
+        [
+            entry("u-r", "old_hobby", "chess", visibility="global", agent=None, age_days=300),
+            entry("u-r", "home_city", "Lisbon", visibility="global", agent=None),
+        ],
+    )
+    outcome = dream_user(pg_settings, "u-r")
+    assert outcome.entries_pruned == 1 and outcome.run_id is not None
+
+    def profile_text() -> str:
+        with session_scope(pg_settings) as session:
+            return str(session.scalar(select(Profile.text).where(Profile.user_id == "u-r", Profile.agent_id == "")))
+
+    assert "chess" not in profile_text()
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
+    result = run(["restore", "--run", str(outcome.run_id)], env=env)
+    assert result.returncode == 0, result.stderr
+    assert "restored 1 entries" in result.stdout and "1 profiles rebuilt" in result.stdout
+    assert "- old hobby: chess" in profile_text()
+    with session_scope(pg_settings) as session:
+        state = session.get(UserState, "u-r")
+        assert state is None or state.dirty_since is None

@@ -61,12 +61,15 @@ def test_restore_leaves_a_row_whose_key_was_taken_again(pg_settings: Settings) -
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_a_restore_under_keep_newest_sticks_and_the_profile_follows_it(store_settings: Settings, chunked: bool) -> None:
-    # The restored older value is flagged as contradicted from then on, never archived
-    # again; the user is due after the dirty delay, and that dream rebuilds the profile.
+def test_a_restore_under_keep_newest_sticks_while_the_row_holds_what_was_put_back(
+    store_settings: Settings, chunked: bool
+) -> None:
+    # The restored older value is flagged as contradicted from then on, not archived
+    # again, while it holds what the restore put back.
     from sqlalchemy import select, update
 
-    from store.models import Profile, UserState
+    from store.models import Profile
+    from store.types import now
     from tasks.dream import dream_users
 
     settings = store_settings.model_copy(
@@ -87,10 +90,8 @@ def test_a_restore_under_keep_newest_sticks_and_the_profile_follows_it(store_set
     assert outcome.contradictions_resolved == 1 and set(entries_of(settings, "u1")) == {newer["id"]}
     assert outcome.run_id is not None
     with session_scope(settings) as session:
-        session.execute(update(UserState).values(dirty_since=None))
-        assert restore_run(session, table_for(settings), outcome.run_id).restored == 1
-        state = session.get(UserState, "u1")
-        assert state is not None and state.dirty_since is not None  # due again soon
+        restored = restore_run(session, table_for(settings), outcome.run_id)
+    assert restored.restored == 1 and restored.users == ("u1",)
     dream()
     dream()
     rows = entries_of(settings, "u1")
@@ -99,3 +100,10 @@ def test_a_restore_under_keep_newest_sticks_and_the_profile_follows_it(store_set
     with session_scope(settings) as session:
         texts = {p.agent_id: p.text for p in session.scalars(select(Profile).where(Profile.user_id == "u1"))}
     assert "Berlin (contradicted)" in texts["a"] and "Paris (contradicted)" in texts["b"]
+    # Written since (by the host, or its id used again), it is a row like any other.
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        session.execute(update(table).where(table.c.id == older["id"]).values(value="Rome", updated_at=now()))
+        session.execute(update(table).where(table.c.id == newer["id"]).values(value="Madrid", updated_at=now()))
+    dream()
+    assert set(entries_of(settings, "u1")) == {newer["id"]}

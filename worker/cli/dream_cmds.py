@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from worker.cli.common import app, fail, load_settings
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
 
 policy_app = typer.Typer(help="Per-agent dream policy (EDDI dreamConfig field names).", no_args_is_help=True)
 app.add_typer(policy_app, name="policy")
@@ -108,6 +112,7 @@ def restore(
         else:
             assert signal_id is not None
             result = restore_signal(session, table_for(settings), signal_id)
+    rebuilt = _rebuild_profiles(settings, result.users)
     what = f"run {run_id}" if run_id is not None else f"signal {signal_id}"
     print(
         f"{what}: restored {result.restored} entries, took out {result.removed_inserts} it wrote"
@@ -117,7 +122,23 @@ def restore(
             if result.changed_since
             else ""
         )
+        + (f"; {rebuilt} profiles rebuilt" if rebuilt else "")
     )
+
+
+def _rebuild_profiles(settings: Settings, users: Sequence[str]) -> int:
+    """The profiles of users a restore changed, rebuilt now rather than by a dream (one
+    soon would also summarize restored originals again, and pay for it); how many."""
+    if not users or not settings.build_profiles:
+        return 0
+    from store import policies as policy_store
+    from store.db import session_scope
+    from tasks import profiles
+    from worker.policy import book
+
+    with session_scope(settings) as session:
+        built = profiles.refresh(session, settings, users, book=book(settings, policy_store.all_configs(session)))
+    return sum(len(tokens) for tokens in built.values())
 
 
 @policy_app.command("set")
