@@ -844,12 +844,15 @@ def test_the_one_statement_look_at_who_changed_agrees_with_comparing_fingerprint
         forced = read_for_build(session, table, ["f7", "ghost"], changed=["f7", "ghost"], **prunes)
     assert forced.users == ["f7", "ghost"] and forced.rows["ghost"] == [] and forced.prints["ghost"] == Fingerprint()
     assert forced.prints["f7"] == Fingerprint.of([row for row in every if row.user_id == "f7"])
-    # JIT is off for the read alone: the caller's transaction gets its own setting back.
-    for setting in ("on", "off"):
+    # JIT is off and work_mem larger for the read alone: the caller's transaction gets
+    # its own settings back.
+    for setting, work_mem in (("on", "1MB"), ("off", "3MB")):
         with session_scope(pg_settings) as session:
             session.execute(sql_text(f"SET LOCAL jit = {setting}"))
+            session.execute(sql_text(f"SET LOCAL work_mem = '{work_mem}'"))
             read_for_build(session, table, users, **prunes)
             assert session.execute(sql_text("SELECT current_setting('jit')")).scalar() == setting
+            assert session.execute(sql_text("SELECT current_setting('work_mem')")).scalar() == work_mem
     _refresh(pg_settings, users)
     # f4 has no rows left: its agent-less profile holds the empty fingerprint, not changed since.
     assert looks() == ([], [])
