@@ -19,6 +19,7 @@ the profile built here is what is kept when the model's is refused or not writte
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -28,6 +29,7 @@ from typing import Any, NamedTuple, Protocol
 from sqlalchemy.orm import Session
 
 from store import profiles as profile_store
+from store.bulk import JsonText
 from store.memories import table_for
 from store.profiles import CATEGORY_PRIORITY, NO_AGENT, OTHER_CATEGORY_PRIORITY, Fingerprint
 from store.types import db_now
@@ -310,20 +312,28 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
     entries: dict[str, list[Entry]] = {}
     for user_id in read.users:
         entries[user_id] = read_entries(read.rows[user_id], ranked=read.ranked)
-    count.warm(e.text for mine in entries.values() for e in mine)
+    counts = iter(count.each([e.text for mine in entries.values() for e in mine]))
     headers = header_tokens(count)
+    whole = Whole(budget, headers) if count.by_lines else None
     for user_id in read.users:
         # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
         print_ = read.prints[user_id]
         ranked = entries[user_id]
-        lines = lines_of(ranked, count)
+        lines = [Line(entry.section, next(counts), entry.text) for entry in ranked]
         agents = sorted({e.owner for e in ranked if e.owner} - {NO_AGENT})
+        by_section = sorted(range(len(lines)), key=lambda i: lines[i].section)
         out[user_id] = []
         for agent in [NO_AGENT, *agents]:
+            by_model = writer is not None and book.for_agent(agent or None).writes_profiles_with_model
+            if whole is not None and not by_model:
+                fits = whole.row(lines, ranked, by_section, agent, count)
+                if fits is not None:
+                    out[user_id].append(_row(user_id, agent, fits, tokenizer=tokenizer, at=read.at, print_=print_))
+                    continue
             visible = visible_lines(lines, ranked, agent)
             built = build_lines(visible, budget, count, headers, by_lines=count.by_lines)
             writer_name = "deterministic"
-            if writer is not None and book.for_agent(agent or None).writes_profiles_with_model:
+            if writer is not None and by_model:
                 allowed = {line.text: line.section for line in visible}
                 written = writer(user_id, agent, built, allowed, read.current.get((user_id, agent)))
                 if written is not None:
@@ -332,6 +342,81 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
                 _row(user_id, agent, built, tokenizer=tokenizer, at=read.at, print_=print_, writer=writer_name)
             )
     return Composed(out)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A profile that holds every line it may (:meth:`Whole.row`), its layout as JSON text."""
+
+    text: str
+    tokens: int
+    budget: int
+    included: int
+    layout: JsonText
+    left_out: int = 0
+
+
+class Whole:
+    """The profiles that hold every line their agent may see and fit the budget and one
+    counting window (nearly all of them: the budget holds a few dozen lines), built the
+    short way: each line's JSON made once per user, the text and its count made from
+    the lines'. Exactly what :func:`build_lines` makes of them (a test holds the two
+    equal); the others go that way. For a counter whose text counts are made from its
+    lines' (``TokenCount.by_lines``)."""
+
+    def __init__(self, budget: int, headers: list[int]) -> None:
+        self.budget = budget
+        self.headers = headers
+        self._headers_json = json.dumps(headers)
+        self._user: Sequence[Line] | None = None
+        self._json: list[str] = []
+
+    def row(
+        self, lines: Sequence[Line], ranked: Sequence[Entry], by_section: Sequence[int], agent: str, count: Counter
+    ) -> Fitted | None:
+        """The profile of ``agent`` (``lines[i]`` is ``ranked[i]``'s; ``by_section``: the
+        lines' indexes by section, ranked within each), or None where it does not fit."""
+        if agent == NO_AGENT:
+            shown = [entry.shared for entry in ranked]
+        else:
+            shown = [entry.shared or entry.owner == agent for entry in ranked]
+        parts: list[str] = []
+        tokens = 0
+        current = -1
+        headers = self.headers
+        for i in by_section:
+            if shown[i]:
+                section, line_tokens, text = lines[i]
+                if section != current:
+                    current = section
+                    parts.append(fmt.header_line(section))
+                    tokens += headers[section]
+                parts.append(text)
+                tokens += line_tokens
+        if tokens > self.budget:
+            return None
+        text = "".join(parts)
+        if len(text) > fmt.COUNT_WINDOW_CHARS:
+            return None
+        if self._user is not lines:
+            self._user = lines  # a new user: their lines' JSON, once
+            self._json = [_line_json(line) for line in lines]
+        total = sum(shown)
+        left_out = count(fmt.left_out_line(total)) if total else 0
+        kept = [piece for piece, seen in zip(self._json, shown, strict=True) if seen]
+        layout = (
+            f'{{"lines":[{",".join(kept)}],"headers":{self._headers_json},'
+            f'"left_out_line":{left_out},"total":{total},"writer":"deterministic"}}'
+        )
+        return Fitted(text, tokens, self.budget, total, JsonText(layout))
+
+
+def _line_json(line: Line) -> str:
+    """``[section, tokens, text]`` as JSON (as ``Layout.to_json`` and ``json.dumps`` make it)."""
+    return f"[{line.section},{line.tokens},{_json_string(line.text)}]"
+
+
+_json_string = json.encoder.encode_basestring_ascii
 
 
 def save(session: Session, composed: Composed, user_ids: Collection[str]) -> int:
@@ -386,14 +471,29 @@ class TokenCount:
         fresh = [t for t in dict.fromkeys(texts) if t and len(t) <= fmt.COUNT_WINDOW_CHARS and t not in self._cache]
         self._cache.update(zip(fresh, self._lines(fresh), strict=True))
 
+    def each(self, texts: list[str]) -> list[int]:
+        """Each text's count (in order): all in one call where the tokenizer allows.
+        Not kept: a profile's lines are its user's own, counted once per refresh."""
+        if self._lines is None:
+            return [self(text) for text in texts]
+        return self._lines(texts)
+
 
 def counter(settings: Settings) -> TokenCount:
     return TokenCount(settings)
 
 
 def _row(
-    user_id: str, agent: str, built: Built, *, tokenizer: str, at: datetime, print_: Fingerprint, writer: str
+    user_id: str,
+    agent: str,
+    built: Built | Fitted,
+    *,
+    tokenizer: str,
+    at: datetime,
+    print_: Fingerprint,
+    writer: str = "deterministic",
 ) -> dict[str, Any]:
+    layout = built.layout if isinstance(built, Fitted) else {**built.layout.to_json(), "writer": writer}
     return {
         "user_id": user_id,
         "agent_id": agent,
@@ -402,7 +502,7 @@ def _row(
         "budget": built.budget,
         "entries_included": built.included,
         "entries_left_out": built.left_out,
-        "layout": {**built.layout.to_json(), "writer": writer},
+        "layout": layout,
         "tokenizer": tokenizer,
         "built_at": at,
         "source_rows": print_.rows,

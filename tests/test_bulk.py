@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 import pytest
 from sqlalchemy import select, text
 
-from store.bulk import insert_rows
+from store.bulk import JsonText, insert_rows
 from store.db import session_scope
 from store.models import ActivityEvent
 from worker.settings import Settings
@@ -42,3 +43,16 @@ def test_events_read_back_as_written(store_settings: Settings) -> None:
 def test_rows_naming_other_columns_are_refused(pg_settings: Settings) -> None:
     with session_scope(pg_settings) as session, pytest.raises(ValueError, match="not columns"):
         insert_rows(session, ActivityEvent, [{"user_id": "u1", "nope": 1}])
+
+
+def test_json_text_is_written_as_the_json_it_holds(store_settings: Settings) -> None:
+    held = {"lines": [[0, 3, "é \\ \"q\"\n"]], "n": None}
+    rows = [
+        {"user_id": "u1", "agent_id": "a", "action": "x", "at": AT, "attributes": JsonText(json.dumps(held))},
+        {"user_id": "u1", "agent_id": "a", "action": "y", "at": AT, "attributes": JsonText('"plain"')},
+    ]
+    with session_scope(store_settings) as session:
+        insert_rows(session, ActivityEvent, rows)
+    with session_scope(store_settings) as session:
+        got = session.execute(select(ActivityEvent.attributes).order_by(ActivityEvent.id)).scalars().all()
+    assert got == [held, "plain"]

@@ -449,9 +449,9 @@ def test_the_leases_are_not_locked_while_profiles_are_built(pg_settings: Setting
 
     seed(pg_settings, _world("u1"))
     verdicts: list[str] = []
-    real_build = profiles.build_lines
+    real_compose = profiles.compose
 
-    def build_and_look(*args: Any, **kwargs: Any) -> Any:
+    def look() -> None:
         url = pg_settings.database_url.replace("+psycopg", "")
         with psycopg.connect(url, autocommit=True) as conn:
             try:
@@ -459,11 +459,16 @@ def test_the_leases_are_not_locked_while_profiles_are_built(pg_settings: Setting
                 verdicts.append("free")
             except psycopg.errors.LockNotAvailable:
                 verdicts.append("locked")
-        return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(profiles, "build_lines", build_and_look)
+    def compose_and_look(*args: Any, **kwargs: Any) -> Any:
+        look()
+        composed = real_compose(*args, **kwargs)
+        look()
+        return composed
+
+    monkeypatch.setattr(profiles, "compose", compose_and_look)
     assert dream_users(pg_settings, ["u1"])[0].profiles_built == 3
-    assert verdicts == ["free", "free", "free"]
+    assert verdicts == ["free", "free"]
 
 
 def test_staleness_is_judged_on_the_databases_clock(pg_settings: Settings, monkeypatch: Any) -> None:
@@ -634,6 +639,44 @@ def test_profiles_of_a_seeded_world_are_exactly_as_before(pg_settings: Settings,
         assert r.tokens == llm.count_text_tokens(settings, r.text) <= budget
     digest = hashlib.sha256(json.dumps([list(r) for r in stored], sort_keys=True, default=str).encode()).hexdigest()
     assert digest == GOLDEN_PROFILES[budget]
+
+
+@pytest.mark.parametrize("budget", [2000, 150])
+def test_profiles_that_fit_whole_are_built_the_short_way_exactly_as_the_long_way(
+    pg_settings: Settings, budget: int, monkeypatch: Any
+) -> None:
+    # The short way (every line fits) and the long one (estimate, cut, count) store the
+    # same rows, layout included; both ways are taken in each run.
+    settings = pg_settings.model_copy(update={"profile_token_budget": budget})
+    rows = seed(settings, _seeded_world())
+    users = sorted({r["user_id"] for r in rows})
+    taken: list[bool] = []
+    real_row = profiles.Whole.row
+
+    def row(self: Any, *args: Any) -> Any:
+        fitted = real_row(self, *args)
+        taken.append(fitted is not None)
+        return fitted
+
+    def stored() -> list[Any]:
+        with session_scope(settings) as session:
+            found = session.execute(
+                select(Profile).order_by(Profile.user_id, Profile.agent_id).execution_options(populate_existing=True)
+            ).scalars()
+            return [
+                (p.user_id, p.agent_id, p.text, p.tokens, p.budget, p.entries_included, p.entries_left_out, p.layout)
+                for p in found
+            ]
+
+    monkeypatch.setattr(profiles.Whole, "row", row)
+    _refresh(settings, users)
+    short = stored()
+    assert any(taken) and not all(taken)
+    monkeypatch.setattr(profiles.Whole, "row", lambda *args: None)
+    with session_scope(settings) as session:
+        session.execute(delete(Profile))
+    _refresh(settings, users)
+    assert stored() == short
 
 
 def test_the_tokenizer_is_resolved_once_per_model_not_once_per_refresh(pg_settings: Settings, monkeypatch: Any) -> None:

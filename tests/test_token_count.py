@@ -111,6 +111,21 @@ def test_lines_counted_together_count_as_each_alone(texts: list[str]) -> None:
         assert found.lines(texts)[-1] == litellm_count(MODEL, texts[-1])
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.builds(lambda k, v: f"- {k}: {v}".rstrip() + "\n", st.text(max_size=40), st.text(max_size=120)),
+        min_size=1,
+        max_size=80,
+    )
+)
+def test_a_profiles_lines_alone_count_as_each_alone(texts: list[str]) -> None:
+    # Every text a profile line: they are looked at all at once, not one by one.
+    found = llm._builtin_counter()
+    assert found is not None
+    assert found.lines(texts) == [found(t) for t in texts]
+
+
 def test_lines_that_would_join_are_counted_alone() -> None:
     found = llm._builtin_counter()
     assert found is not None
