@@ -46,7 +46,7 @@ def test_rows_naming_other_columns_are_refused(pg_settings: Settings) -> None:
 
 
 def test_json_text_is_written_as_the_json_it_holds(store_settings: Settings) -> None:
-    held = {"lines": [[0, 3, "é \\ \"q\"\n"]], "n": None}
+    held = {"lines": [[0, 3, 'é \\ "q"\n']], "n": None}
     rows = [
         {"user_id": "u1", "agent_id": "a", "action": "x", "at": AT, "attributes": JsonText(json.dumps(held))},
         {"user_id": "u1", "agent_id": "a", "action": "y", "at": AT, "attributes": JsonText('"plain"')},
