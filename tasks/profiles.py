@@ -87,6 +87,9 @@ class Entry(NamedTuple):
     text: str
     shared: bool
     owner: str | None
+    #: How many of the text's characters come before the space that starts its value
+    #: (its key's part, ``- key:``; 0: none does): see :meth:`TokenCount.lines`.
+    head: int = 0
 
 
 def ranked_entries(rows: Sequence[Any]) -> list[Entry]:
@@ -133,11 +136,13 @@ _SHOWN = itemgetter(*range(1, len(profile_store.SHOWN_COLUMNS)))
 def _entry(
     key: str, shown: str, category: str | None, visibility: str | None, owner: str | None, *, conflicted: Any
 ) -> Entry:
+    marked = bool(conflicted)
     return Entry(
         fmt.section_of(category, key),
-        fmt.line_of(key, shown, conflicted=bool(conflicted)),
+        fmt.line_of(key, shown, conflicted=marked),
         visibility == "global",
         owner,
+        fmt.head_of(key, shown, conflicted=marked),
     )
 
 
@@ -312,7 +317,7 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
     entries: dict[str, list[Entry]] = {}
     for user_id in read.users:
         entries[user_id] = read_entries(read.rows[user_id], ranked=read.ranked)
-    counts = iter(count.each([e.text for mine in entries.values() for e in mine]))
+    counts = iter(count.lines([e for mine in entries.values() for e in mine]))
     headers = header_tokens(count)
     whole = Whole(budget, headers) if count.by_lines else None
     for user_id in read.users:
@@ -471,12 +476,22 @@ class TokenCount:
         fresh = [t for t in dict.fromkeys(texts) if t and len(t) <= fmt.COUNT_WINDOW_CHARS and t not in self._cache]
         self._cache.update(zip(fresh, self._lines(fresh), strict=True))
 
-    def each(self, texts: list[str]) -> list[int]:
-        """Each text's count (in order): all in one call where the tokenizer allows.
-        Not kept: a profile's lines are its user's own, counted once per refresh."""
+    def lines(self, entries: Sequence[Entry]) -> list[int]:
+        """Each entry's line's count (in order): all in one call where the tokenizer
+        allows (not kept: a profile's lines are its user's own, counted once per refresh).
+
+        There, a line's count is its key's part's (``- key:``, kept: keys recur) plus the
+        rest's (`` value\n``, counted with the other lines' rests): cl100k's pre-tokenizer
+        always ends a piece at a colon followed by a space, and starts the next one
+        afresh, so the two parts are tokenized alone as within the line (a test holds
+        the sum to the whole line's count)."""
         if self._lines is None:
-            return [self(text) for text in texts]
-        return self._lines(texts)
+            return [self(entry.text) for entry in entries]
+        rests = self._lines([entry.text[entry.head :] for entry in entries])
+        return [
+            tokens + self(entry.text[: entry.head]) if entry.head else tokens
+            for entry, tokens in zip(entries, rests, strict=True)
+        ]
 
 
 def counter(settings: Settings) -> TokenCount:

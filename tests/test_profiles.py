@@ -31,6 +31,7 @@ from tests.dream_seed import entry, seed
 from worker import llm
 from worker.policy import book
 from worker.profile_text import Layout, assemble, cut, estimate
+from worker.profile_text import value_text as fmt_value_text
 from worker.profiles_reader import get_for_prompt
 from worker.settings import Settings
 
@@ -499,6 +500,38 @@ def test_the_one_pass_cut_is_the_largest_prefix_whose_estimate_fits(
     layout = profiles.build(_rows(entries), 10**6, count).layout
     fits = [kept for kept in range(len(layout.lines) + 1) if estimate(layout, kept) <= budget]
     assert cut(layout, budget) == max(fits, default=0)
+
+
+@hyp_settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.text(max_size=30), st.sampled_from(["home_city", "a?", "x.", "42", "é", "_", " k "])),
+            st.one_of(
+                st.text(max_size=60),
+                st.sampled_from(["", " ", "42", ".5", "'s", "Lisbon", "東京", "(x)", "-", ":", "\n"]),
+            ),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_a_lines_count_made_of_its_keys_part_and_the_rest_is_the_whole_lines(
+    drawn: list[tuple[str, str, bool]],
+) -> None:
+    # Lines are counted as their key's part plus the rest: exactly the line's count.
+    count = profiles.counter(Settings(_env_file=None))  # type: ignore[call-arg]
+    assert count.by_lines
+    entries = [
+        profiles._entry(key, fmt_value_text(value), "fact", "global", None, conflicted=marked)
+        for key, value, marked in drawn
+    ]
+    found = llm._builtin_counter()
+    assert found is not None
+    assert count.lines(entries) == [found(e.text) for e in entries]
+    # (Counted in two parts where a key is followed by a space.)
+    assert profiles._entry("home_city", "Lisbon", "fact", "global", None, conflicted=False).head == len("- home city:")
 
 
 def test_build_profiles_false_builds_none_and_leaves_the_stored_ones(pg_settings: Settings) -> None:

@@ -131,7 +131,7 @@ def test_lines_that_would_join_are_counted_alone() -> None:
     assert found is not None
     # Texts ending in a space, or starting with one, are tokenized with their
     # neighbours otherwise than alone: they never share an encoding.
-    texts = ["- a: b \n", " - c\n", "word", "  \n", "- d: e\n"]
+    texts = ["- a: b \n", " - c\n", "word", "  \n", "- d: e\n", "\t- f\n", " \tg\n", "  h\n", " \n"]
     assert found.lines(texts) == [found(t) for t in texts]
 
 
@@ -145,4 +145,7 @@ def test_every_character_on_either_side_of_a_join_counts_as_alone() -> None:
     chars = [chr(i) for i in [*range(0x10000), *range(0x10000, 0x110000, 97)] if not chr(i).isspace()]
     chars = [c for c in chars if not 0xD800 <= ord(c) <= 0xDFFF]  # lone surrogates are no text
     texts = [f"{c}- {c}'s {c}{c}\n" for c in chars]
+    assert found.lines(texts) == [found(t) for t in texts]
+    # The rest of a line after its key: one space first.
+    texts = [f" {c}{c} {c}'s {c}\n" for c in chars]
     assert found.lines(texts) == [found(t) for t in texts]

@@ -47,7 +47,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import itemgetter
 from typing import Any
 
 from store.types import NANO
@@ -323,16 +322,18 @@ class Cl100k:
         again; counted one by one, thousands of short lines beside a busy thread wait
         milliseconds each. Encoded together, each text's tokens are those up to the one
         ending with its newline: exact because cl100k's pre-tokenizer ends a piece at a
-        newline followed by a non-space, so texts holding one newline, at their end,
-        and starting with a non-space (a profile's lines) are tokenized together as each
-        is alone. Any other text is counted on its own, and should a token ever hold a
-        newline anywhere but at its end (one straddling two texts), all are."""
+        newline followed by a non-space, or by one space and a non-space, so texts
+        holding one newline, at their end, and starting with a non-space (a profile's
+        lines) or with one space before one (the rest of a line after its key) are
+        tokenized together as each is alone. Any other text is counted on its own, and
+        should a token ever hold a newline anywhere but at its end (one straddling two
+        texts), all are."""
         import numpy as np
 
         out = [0] * len(texts)
-        if _all_join(texts):
+        whole = "".join(texts)
+        if _all_join(texts, whole):
             joined: Sequence[int] = range(len(texts))
-            whole = "".join(texts)
         else:
             joined = [i for i, t in enumerate(texts) if _joins(t)]
             for i in set(range(len(texts))) - set(joined):
@@ -381,27 +382,28 @@ def _joins(text: str) -> bool:
     return (
         1 < len(text) <= _CHUNK_CHARS
         and text[-1] == "\n"
-        and not text[0].isspace()
-        and not text[-2].isspace()
         and text.count("\n") == 1
+        and not text[-2].isspace()
+        and (not text[0].isspace() or (text[0] == " " and not text[1].isspace()))
     )
 
 
-def _all_join(texts: Sequence[str]) -> bool:
-    """Whether every text :func:`_joins` (looked at a column at a time, without a call
-    per text: a profile's lines all do)."""
+def _all_join(texts: Sequence[str], whole: str) -> bool:
+    """Whether every text :func:`_joins` (``whole``: the texts joined), looked at a
+    column at a time and in their joined text, without a call per text."""
     return (
         bool(texts)
         and min(map(len, texts)) > 1
         and max(map(len, texts)) <= _CHUNK_CHARS
         and all(map(str.endswith, texts, repeat("\n")))
-        and sum(map(str.count, texts, repeat("\n"))) == len(texts)
-        and not any(map(str.isspace, map(_FIRST_CHAR, texts)))
-        and not any(map(str.isspace, map(_BEFORE_NEWLINE, texts)))
+        and whole.count("\n") == len(texts)
+        and _BAD_JOIN.search(whole) is None
     )
 
 
-_FIRST_CHAR, _BEFORE_NEWLINE = itemgetter(0), itemgetter(-2)
+#: Where a text that joins cannot be (its newline being its last character): a space
+#: before its newline, or a start on a space other than one plain space before a non-space.
+_BAD_JOIN = re.compile(r"\s\n|(?:\A|\n)(?:[^\S ]| \s)")
 
 
 def line_counter(settings: Settings) -> Callable[[Sequence[str]], list[int]] | None:

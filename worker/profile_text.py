@@ -152,6 +152,12 @@ def line_of(key: str, shown: str, *, conflicted: bool) -> str:
     return line + " (contradicted)\n" if conflicted else line + "\n"
 
 
+def head_of(key: str, shown: str, *, conflicted: bool) -> int:
+    """How many characters of :func:`line_of`'s line come before the space that starts
+    its value (``- key:``), or 0 where no space does (an empty value, not contradicted)."""
+    return len(_key_part(key)) - 1 if shown or conflicted else 0
+
+
 @lru_cache(maxsize=65_536)
 def _key_part(key: str) -> str:
     """``- key: `` (keys recur: every user has the same few)."""
