@@ -149,15 +149,6 @@ def _entry(
 _first = itemgetter(0)
 
 
-def visible_lines(lines: Sequence[Line], ranked: Sequence[Entry], agent_id: str) -> list[Line]:
-    """The lines of the ranked entries (``lines[i]`` is ``ranked[i]``'s) that ``agent_id``
-    may see, in rank order: its own ``self`` and ``group`` entries and every ``global``
-    one ('': the agent-less profile, the global entries only)."""
-    if agent_id == NO_AGENT:
-        return [line for line, entry in zip(lines, ranked, strict=True) if entry.shared]
-    return [line for line, entry in zip(lines, ranked, strict=True) if entry.shared or entry.owner == agent_id]
-
-
 def header_tokens(count: Counter) -> list[int]:
     return [count(fmt.header_line(s)) for s in range(len(fmt.SECTIONS))]
 
@@ -325,17 +316,17 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
         print_ = read.prints[user_id]
         ranked = entries[user_id]
         lines = [Line(entry.section, next(counts), entry.text) for entry in ranked]
-        agents = sorted({e.owner for e in ranked if e.owner} - {NO_AGENT})
-        by_section = sorted(range(len(lines)), key=lambda i: lines[i].section)
+        seen = Visibility(ranked)
         out[user_id] = []
-        for agent in [NO_AGENT, *agents]:
+        for agent in [NO_AGENT, *seen.agents]:
+            shown = seen.of(agent)
             by_model = writer is not None and book.for_agent(agent or None).writes_profiles_with_model
             if whole is not None and not by_model:
-                fits = whole.row(lines, ranked, by_section, agent, count)
+                fits = whole.row(lines, shown, count)
                 if fits is not None:
                     out[user_id].append(_row(user_id, agent, fits, tokenizer=tokenizer, at=read.at, print_=print_))
                     continue
-            visible = visible_lines(lines, ranked, agent)
+            visible = [lines[i] for i in shown]
             built = build_lines(visible, budget, count, headers, by_lines=count.by_lines)
             writer_name = "deterministic"
             if writer is not None and by_model:
@@ -361,6 +352,30 @@ class Fitted:
     left_out: int = 0
 
 
+class Visibility:
+    """Which of a user's ranked entries each agent may see, as their indexes in rank
+    order: its own ``self`` and ``group`` entries and every ``global`` one ('': the
+    agent-less profile, the global entries only). ``agents``: every agent owning an
+    entry (each gets a profile)."""
+
+    def __init__(self, ranked: Sequence[Entry]) -> None:
+        self.shared: list[int] = []
+        self.own: dict[str, list[int]] = {}
+        owners: set[str] = set()
+        for i, entry in enumerate(ranked):
+            if entry.owner:
+                owners.add(entry.owner)
+            if entry.shared:
+                self.shared.append(i)
+            elif entry.owner:
+                self.own.setdefault(entry.owner, []).append(i)
+        self.agents = sorted(owners - {NO_AGENT})
+
+    def of(self, agent: str) -> list[int]:
+        own = self.own.get(agent) if agent != NO_AGENT else None
+        return sorted(self.shared + own) if own else self.shared
+
+
 class Whole:
     """The profiles that hold every line their agent may see and fit the budget and one
     counting window (nearly all of them: the budget holds a few dozen lines), built the
@@ -376,28 +391,20 @@ class Whole:
         self._user: Sequence[Line] | None = None
         self._json: list[str] = []
 
-    def row(
-        self, lines: Sequence[Line], ranked: Sequence[Entry], by_section: Sequence[int], agent: str, count: Counter
-    ) -> Fitted | None:
-        """The profile of ``agent`` (``lines[i]`` is ``ranked[i]``'s; ``by_section``: the
-        lines' indexes by section, ranked within each), or None where it does not fit."""
-        if agent == NO_AGENT:
-            shown = [entry.shared for entry in ranked]
-        else:
-            shown = [entry.shared or entry.owner == agent for entry in ranked]
+    def row(self, lines: Sequence[Line], shown: Sequence[int], count: Counter) -> Fitted | None:
+        """The profile of the lines at ``shown`` (indexes of ``lines``, in rank order),
+        or None where it does not fit."""
         parts: list[str] = []
         tokens = 0
         current = -1
         headers = self.headers
-        for i in by_section:
-            if shown[i]:
-                section, line_tokens, text = lines[i]
-                if section != current:
-                    current = section
-                    parts.append(fmt.header_line(section))
-                    tokens += headers[section]
-                parts.append(text)
-                tokens += line_tokens
+        for section, line_tokens, text in sorted(map(lines.__getitem__, shown), key=_section):
+            if section != current:
+                current = section
+                parts.append(fmt.header_line(section))
+                tokens += headers[section]
+            parts.append(text)
+            tokens += line_tokens
         if tokens > self.budget:
             return None
         text = "".join(parts)
@@ -406,14 +413,16 @@ class Whole:
         if self._user is not lines:
             self._user = lines  # a new user: their lines' JSON, once
             self._json = [_line_json(line) for line in lines]
-        total = sum(shown)
+        total = len(shown)
         left_out = count(fmt.left_out_line(total)) if total else 0
-        kept = [piece for piece, seen in zip(self._json, shown, strict=True) if seen]
         layout = (
-            f'{{"lines":[{",".join(kept)}],"headers":{self._headers_json},'
+            f'{{"lines":[{",".join(map(self._json.__getitem__, shown))}],"headers":{self._headers_json},'
             f'"left_out_line":{left_out},"total":{total},"writer":"deterministic"}}'
         )
         return Fitted(text, tokens, self.budget, total, JsonText(layout))
+
+
+_section = itemgetter(0)
 
 
 def _line_json(line: Line) -> str:
