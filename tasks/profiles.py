@@ -136,14 +136,8 @@ _SHOWN = itemgetter(*range(1, len(profile_store.SHOWN_COLUMNS)))
 def _entry(
     key: str, shown: str, category: str | None, visibility: str | None, owner: str | None, *, conflicted: Any
 ) -> Entry:
-    marked = bool(conflicted)
-    return Entry(
-        fmt.section_of(category, key),
-        fmt.line_of(key, shown, conflicted=marked),
-        visibility == "global",
-        owner,
-        fmt.head_of(key, shown, conflicted=marked),
-    )
+    text, head = fmt.line_and_head(key, shown, bool(conflicted))
+    return Entry(fmt.section_of(category, key), text, visibility == "global", owner, head)
 
 
 _first = itemgetter(0)

@@ -147,15 +147,22 @@ def entry_line(key: str, value: Any, *, conflicted: bool) -> str:
 
 def line_of(key: str, shown: str, *, conflicted: bool) -> str:
     """:func:`entry_line` of a value already made its text (:func:`value_text`)."""
-    # A shown value has no space at either end: only an empty one leaves one to strip.
-    line = _key_part(key) + shown if shown else _key_part(key).rstrip()
-    return line + " (contradicted)\n" if conflicted else line + "\n"
+    return line_and_head(key, shown, conflicted)[0]
 
 
-def head_of(key: str, shown: str, *, conflicted: bool) -> int:
-    """How many characters of :func:`line_of`'s line come before the space that starts
-    its value (``- key:``), or 0 where no space does (an empty value, not contradicted)."""
-    return len(_key_part(key)) - 1 if shown or conflicted else 0
+def line_and_head(key: str, shown: str, conflicted: bool) -> tuple[str, int]:
+    """:func:`line_of`'s line, and how many of its characters come before the space
+    that starts its value (``- key:``; 0 where no space does: an empty value, not
+    contradicted)."""
+    part = _key_part(key)
+    if shown:  # a shown value has no space at either end
+        return part + shown + (_MARKED if conflicted else "\n"), len(part) - 1
+    # Only an empty value leaves a space to strip.
+    stripped = part.rstrip()
+    return (stripped + _MARKED, len(stripped)) if conflicted else (stripped + "\n", 0)
+
+
+_MARKED = " (contradicted)\n"
 
 
 @lru_cache(maxsize=65_536)
