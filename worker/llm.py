@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 from store.types import NANO
@@ -390,20 +391,20 @@ def _joins(text: str) -> bool:
 
 def _all_join(texts: Sequence[str], whole: str) -> bool:
     """Whether every text :func:`_joins` (``whole``: the texts joined), looked at a
-    column at a time and in their joined text, without a call per text."""
+    column at a time, without a call per text."""
     return (
         bool(texts)
         and min(map(len, texts)) > 1
         and max(map(len, texts)) <= _CHUNK_CHARS
         and all(map(str.endswith, texts, repeat("\n")))
         and whole.count("\n") == len(texts)
-        and _BAD_JOIN.search(whole) is None
+        and not any(map(str.isspace, map(_BEFORE_NEWLINE, texts)))
+        # A non-space first, after one space at most.
+        and not any(map(str.isspace, map(_FIRST_CHAR, map(str.removeprefix, texts, repeat(" ")))))
     )
 
 
-#: Where a text that joins cannot be (its newline being its last character): a space
-#: before its newline, or a start on a space other than one plain space before a non-space.
-_BAD_JOIN = re.compile(r"\s\n|(?:\A|\n)(?:[^\S ]| \s)")
+_FIRST_CHAR, _BEFORE_NEWLINE = itemgetter(0), itemgetter(-2)
 
 
 def line_counter(settings: Settings) -> Callable[[Sequence[str]], list[int]] | None:
