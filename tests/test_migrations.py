@@ -119,6 +119,24 @@ def test_migrate_twice_is_a_no_op(empty_pg: str) -> None:
     assert upgrade(settings) == (head_revision(), head_revision())
 
 
+def test_a_postgresql_older_than_served_is_refused_before_any_change(
+    empty_pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import store.migrate
+    from worker.errors import ConfigError
+
+    settings = _base_settings(database_url=empty_pg)
+    with psycopg.connect(_plain(empty_pg)) as conn:
+        number = int(conn.execute("SHOW server_version_num").fetchone()[0])  # type: ignore[index]
+    assert number >= store.migrate.MIN_POSTGRESQL  # the server the suite runs on is served
+    # As if this server were one major version short of the oldest served.
+    monkeypatch.setattr(store.migrate, "MIN_POSTGRESQL", (number // 10000 + 1) * 10000)
+    with pytest.raises(ConfigError, match=rf"PostgreSQL {number // 10000 + 1} or newer is needed; this server is"):
+        upgrade(settings)
+    with psycopg.connect(_plain(empty_pg)) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone() == (0,)
+
+
 def _table_fingerprint(url: str) -> tuple[str, str, str]:
     """Rows (as text, in id order), columns and indexes of usermemories."""
     with psycopg.connect(_plain(url)) as conn:
