@@ -233,7 +233,7 @@ def _in_transaction(db: Db, host: netns.Host, *, waiting: bool = False) -> int:
     return int(db.value(query, host.address))
 
 
-def _cut_mid_transaction(db: Db, host: netns.Host, tries: int = 5) -> tuple[int, int]:
+def _cut_mid_transaction(db: Db, host: netns.Host, tries: int = 10) -> tuple[int, int]:
     """Cut ``host`` off while it has a writing transaction open; (transactions it left
     open, tries). The test holds every schedule row for a moment, so the host's next
     write that touches one (a signal marking its user changed, a run re-taking its
