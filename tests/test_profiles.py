@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given
+from hypothesis import HealthCheck, example, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
@@ -550,10 +550,14 @@ def test_build_profiles_false_builds_none_and_leaves_the_stored_ones(pg_settings
 
 @hyp_settings(max_examples=200, deadline=None)
 @given(text=st.text(max_size=80), limit=st.integers(1, 100))
+@example(text="\u200c", limit=1)
+@example(text="a\u200db\u202e", limit=10)
 def test_a_value_already_plain_is_kept_as_it_is(text: str, limit: int) -> None:
     from worker.profile_text import _plain
 
-    kept = "".join(ch for ch in text if unicodedata.category(ch)[0] != "C" or ch.isspace())
+    # Control and format characters go, but for spaces and the joiners (ZWNJ, ZWJ) that
+    # spell Persian words and join emoji.
+    kept = "".join(ch for ch in text if unicodedata.category(ch)[0] != "C" or ch.isspace() or ch in "\u200c\u200d")
     flat = " ".join(kept.split())
     assert _plain(text, limit) == (flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…")
 
