@@ -304,7 +304,7 @@ class Cl100k:
         # either: the same tokens, without the wrapper's checks.
         self._encode = encoding.encode_ordinary
         self._encoding = encoding
-        self._marks: Any = None
+        self._marks = b""
         self._slow: Any = None
 
     def __call__(self, text: str) -> int:
@@ -329,8 +329,6 @@ class Cl100k:
         tokenized together as each is alone. Any other text is counted on its own, and
         should a token ever hold a newline anywhere but at its end (one straddling two
         texts), all are."""
-        import numpy as np
-
         out = [0] * len(texts)
         whole = "".join(texts)
         if _all_join(texts, whole):
@@ -343,39 +341,36 @@ class Cl100k:
                 return out
             whole = "".join(texts[i] for i in joined)
         # One mark per token: 1 ends with a newline (and holds no other), 2 holds one elsewhere.
-        tokens = np.array(self._encode(whole), dtype=np.intp)
-        marks = self._newline_marks()[tokens]
-        ends = np.flatnonzero(marks == _ENDS_LINE)
-        if len(ends) != len(joined) or ends[-1] != len(tokens) - 1 or (marks == _HOLDS_NEWLINE).any():
+        marks = bytes(map(self._newline_marks().__getitem__, self._encode(whole)))
+        parts = marks.split(_ENDS_LINE)
+        if len(parts) != len(joined) + 1 or parts[-1] or _HOLDS_NEWLINE in marks:
             for i in joined:
                 out[i] = self(texts[i])
             return out
-        counts: list[int] = np.diff(ends, prepend=-1).tolist()
+        counts = [len(part) + 1 for part in parts[:-1]]
         if len(joined) == len(texts):
             return counts
         for i, tokens_of in zip(joined, counts, strict=True):
             out[i] = tokens_of
         return out
 
-    def _newline_marks(self) -> Any:
-        """Each token's mark by token id (once: 40 ms; a numpy array): 1 if its bytes end
-        with the only newline they hold, 2 if they hold a newline elsewhere, else 0."""
-        if self._marks is None:
-            import numpy as np
-
-            marks = np.zeros(self._encoding.max_token_value + 1, dtype=np.uint8)
+    def _newline_marks(self) -> bytes:
+        """Each token's mark by token id (once: 40 ms): 1 if its bytes end with the only
+        newline they hold, 2 if they hold a newline elsewhere, else 0."""
+        if not self._marks:
+            marks = bytearray(self._encoding.max_token_value + 1)
             for token in range(len(marks)):
                 try:
                     data = self._encoding.decode_single_token_bytes(token)
                 except KeyError:  # an id no token has
                     continue
                 if b"\n" in data:
-                    marks[token] = _ENDS_LINE if data.index(b"\n") == len(data) - 1 else _HOLDS_NEWLINE
-            self._marks = marks
+                    marks[token] = 1 if data.index(b"\n") == len(data) - 1 else 2
+            self._marks = bytes(marks)
         return self._marks
 
 
-_ENDS_LINE, _HOLDS_NEWLINE = 1, 2
+_ENDS_LINE, _HOLDS_NEWLINE = b"\x01", b"\x02"
 
 
 def _joins(text: str) -> bool:
