@@ -20,7 +20,7 @@ the profile built here is what is kept when the model's is refused or not writte
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from operator import itemgetter
@@ -311,12 +311,13 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
         ranked = entries[user_id]
         lines = [Line(entry.section, next(counts), entry.text) for entry in ranked]
         seen = Visibility(ranked)
+        line_json = _LineJson(lines)
         out[user_id] = []
         for agent in [NO_AGENT, *seen.agents]:
             shown = seen.of(agent)
             by_model = writer is not None and book.for_agent(agent or None).writes_profiles_with_model
             if whole is not None and not by_model:
-                fits = whole.row(lines, shown, count)
+                fits = whole.row(lines, shown, count, line_json)
                 if fits is not None:
                     out[user_id].append(_row(user_id, agent, fits, tokenizer=tokenizer, at=read.at, print_=print_))
                     continue
@@ -382,12 +383,12 @@ class Whole:
         self.budget = budget
         self.headers = headers
         self._headers_json = json.dumps(headers)
-        self._user: Sequence[Line] | None = None
-        self._json: list[str] = []
 
-    def row(self, lines: Sequence[Line], shown: Sequence[int], count: Counter) -> Fitted | None:
+    def row(
+        self, lines: Sequence[Line], shown: Sequence[int], count: Counter, line_json: Callable[[], list[str]]
+    ) -> Fitted | None:
         """The profile of the lines at ``shown`` (indexes of ``lines``, in rank order),
-        or None where it does not fit."""
+        or None where it does not fit; ``line_json()``: each line's JSON (``lines[i]``'s at ``i``)."""
         parts: list[str] = []
         tokens = 0
         current = -1
@@ -404,19 +405,29 @@ class Whole:
         text = "".join(parts)
         if len(text) > fmt.COUNT_WINDOW_CHARS:
             return None
-        if self._user is not lines:
-            self._user = lines  # a new user: their lines' JSON, once
-            self._json = [_line_json(line) for line in lines]
         total = len(shown)
         left_out = count(fmt.left_out_line(total)) if total else 0
         layout = (
-            f'{{"lines":[{",".join(map(self._json.__getitem__, shown))}],"headers":{self._headers_json},'
+            f'{{"lines":[{",".join(map(line_json().__getitem__, shown))}],"headers":{self._headers_json},'
             f'"left_out_line":{left_out},"total":{total},"writer":"deterministic"}}'
         )
         return Fitted(text, tokens, self.budget, total, JsonText(layout))
 
 
 _section = itemgetter(0)
+
+
+class _LineJson:
+    """A user's lines' JSON (:func:`_line_json`), made at the first call, once."""
+
+    def __init__(self, lines: Sequence[Line]) -> None:
+        self._lines = lines
+        self._made: list[str] | None = None
+
+    def __call__(self) -> list[str]:
+        if self._made is None:
+            self._made = [_line_json(line) for line in self._lines]
+        return self._made
 
 
 def _line_json(line: Line) -> str:
@@ -471,13 +482,6 @@ class TokenCount:
         if known is None:
             known = self._cache[text] = self._count(text)
         return known
-
-    def warm(self, texts: Iterable[str]) -> None:
-        """Count ``texts`` now, all in one call where the tokenizer allows."""
-        if self._lines is None:
-            return
-        fresh = [t for t in dict.fromkeys(texts) if t and len(t) <= fmt.COUNT_WINDOW_CHARS and t not in self._cache]
-        self._cache.update(zip(fresh, self._lines(fresh), strict=True))
 
     def lines(self, entries: Sequence[Entry]) -> list[int]:
         """Each entry's line's count (in order): all in one call where the tokenizer

@@ -841,7 +841,6 @@ def test_a_profile_counted_from_its_lines_is_the_profile_counted_whole(
         return llm.count_text_tokens(settings, text) if text else 0
 
     ranked = profiles.ranked_entries(_rows(entries))
-    fast.warm(e.text for e in ranked)
     made = profiles.build_ranked(ranked, budget, fast, profiles.header_tokens(fast), by_lines=True)
     reference = profiles.build_ranked(ranked, budget, whole, profiles.header_tokens(whole))
     assert made == reference
