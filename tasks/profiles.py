@@ -20,6 +20,8 @@ the profile built here is what is kept when the model's is refused or not writte
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -463,14 +465,17 @@ def refresh(
 class TokenCount:
     """The configured model's token count (a callable), with the tokenizer looked up once
     and each short text (a line, a header: global entries recur in every agent's
-    profile) counted once per refresh. Where the tokenizer allows (the built-in
-    model's), :meth:`warm` counts many lines in one call, and a text's count is made of
-    its lines' (``by_lines``)."""
+    profile) counted once per refresh. The shortest texts (a key's part of a line, a
+    header, a left-out line: the same few recur in every chunk) are counted once per
+    process, per tokenizer. Where the tokenizer allows (the built-in model's),
+    :meth:`lines` counts many lines in one call, and a text's count is made of its
+    lines' (``by_lines``)."""
 
     def __init__(self, settings: Settings) -> None:
         self._count = llm.text_counter(settings)
         self._lines = llm.line_counter(settings)
         self._cache: dict[str, int] = {}
+        self._recurring = _recurring_counts(self._count)
         self.by_lines = self._lines is not None
 
     def __call__(self, text: str) -> int:
@@ -478,9 +483,12 @@ class TokenCount:
             return 0
         if len(text) > fmt.COUNT_WINDOW_CHARS:
             return self._count(text)
-        known = self._cache.get(text)
+        cache = self._recurring if len(text) <= RECURRING_CHARS else self._cache
+        known = cache.get(text)
         if known is None:
-            known = self._cache[text] = self._count(text)
+            if len(cache) >= RECURRING_TEXTS and cache is self._recurring:
+                cache.clear()  # bounded: a process counting ever new short texts starts over
+            known = cache[text] = self._count(text)
         return known
 
     def lines(self, entries: Sequence[Entry]) -> list[int]:
@@ -503,6 +511,25 @@ class TokenCount:
 
 def counter(settings: Settings) -> TokenCount:
     return TokenCount(settings)
+
+
+#: Texts this short (a key's part of a line is at most 64 characters) are counted once
+#: per process and tokenizer, up to this many of them.
+RECURRING_CHARS = 64
+RECURRING_TEXTS = 65_536
+_RECURRING: weakref.WeakKeyDictionary[Counter, dict[str, int]] = weakref.WeakKeyDictionary()
+_RECURRING_LOCK = threading.Lock()
+
+
+def _recurring_counts(count: Counter) -> dict[str, int]:
+    """The counts of short texts made with ``count`` in this process (a tokenizer's
+    counts never change; kept while ``count`` lives: the built-in model's lives as long
+    as the process)."""
+    with _RECURRING_LOCK:
+        found = _RECURRING.get(count)
+        if found is None:
+            found = _RECURRING[count] = {}
+        return found
 
 
 def _row(

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import unicodedata
+import uuid
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -532,6 +533,31 @@ def test_a_lines_count_made_of_its_keys_part_and_the_rest_is_the_whole_lines(
     assert count.lines(entries) == [found(e.text) for e in entries]
     # (Counted in two parts where a key is followed by a space.)
     assert profiles._entry("home_city", "Lisbon", "fact", "global", None, conflicted=False).head == len("- home city:")
+
+
+def test_the_recurring_short_texts_are_counted_once_per_process_and_stay_bounded(monkeypatch: Any) -> None:
+    # A key's part, a header, a left-out line: each chunk's refresh has the same few,
+    # so they are counted once per process (per tokenizer), in a bounded store.
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    found = llm._builtin_counter()
+    assert found is not None
+    encoded: list[str] = []
+    real = found._encode
+    monkeypatch.setattr(found, "_encode", lambda text: encoded.append(text) or real(text))
+    key_part = f"- key {uuid.uuid4().hex}:"
+    first, second = profiles.counter(settings), profiles.counter(settings)
+    assert first(key_part) == second(key_part) == len(real(key_part))
+    assert encoded == [key_part]  # the second refresh's counter did not count it again
+    # Longer texts stay the refresh's own.
+    long_line = f"- note: {'x' * profiles.RECURRING_CHARS} {uuid.uuid4().hex}\n"
+    assert first(long_line) == second(long_line) == len(real(long_line))
+    assert encoded.count(long_line) == 2
+    monkeypatch.setattr(profiles, "RECURRING_TEXTS", 3)
+    shared = profiles._recurring_counts(found)
+    for n in range(10):
+        text = f"- k{n} {uuid.uuid4().hex}:"
+        assert first(text) == len(real(text))
+        assert len(shared) <= 3
 
 
 def test_build_profiles_false_builds_none_and_leaves_the_stored_ones(pg_settings: Settings) -> None:
