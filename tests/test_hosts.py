@@ -25,7 +25,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -233,15 +233,19 @@ def _in_transaction(db: Db, host: netns.Host, *, waiting: bool = False) -> int:
     return int(db.value(query, host.address))
 
 
-def _cut_mid_transaction(db: Db, host: netns.Host, tries: int = 10) -> tuple[int, int]:
+def _cut_mid_transaction(db: Db, host: netns.Host, more_work: Callable[[], None], tries: int = 10) -> tuple[int, int]:
     """Cut ``host`` off while it has a writing transaction open; (transactions it left
     open, tries). The test holds every schedule row for a moment, so the host's next
     write that touches one (a signal marking its user changed, a run re-taking its
     lease) waits, mid-transaction, until the host is cut; then the rows are let go and
-    its transaction runs on to its end, where it waits for a COMMIT that cannot come."""
+    its transaction runs on to its end, where it waits for a COMMIT that cannot come.
+    While the rows are held no user is dispatched, so each try first calls
+    ``more_work`` (signals for users who have a schedule row): the paced producer alone
+    may be done, or its signals all taken by the other host, before a try catches one."""
     for attempt in range(1, tries + 1):
         with psycopg.connect(db.url, connect_timeout=5) as blocker:
             blocker.execute("SELECT user_id FROM dream_user_state FOR UPDATE")
+            more_work()
             caught = poll(lambda: _in_transaction(db, host, waiting=True) > 0, 10)
             if caught:
                 host.cut()
@@ -289,7 +293,7 @@ def test_a_worker_host_cut_off_past_its_leases_loses_and_repeats_nothing(
         producer.start()
         _make_due(db, users)
         time.sleep(seconds / 4)
-        cut_open, tries = _cut_mid_transaction(db, w1)
+        cut_open, tries = _cut_mid_transaction(db, w1, lambda: producer.burst(6))
         cut_at = time.monotonic()
         at_cut = backends_of(db, w1)
         poll(lambda: backends_of(db, w1) == {}, AWAY_SECONDS)

@@ -18,6 +18,7 @@ tests/test_reliability.py`` runs the full counts.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -109,6 +110,8 @@ class Producer(threading.Thread):
         self.sent = Sent()
         self.broker_down = threading.Event()
         self.error: BaseException | None = None
+        # Numbers for :meth:`burst`'s signals, past those of the paced ones.
+        self._extra = (n for n in itertools.count(start + count + 1000) if n % 10 not in (1, 2))
 
     def run(self) -> None:
         db = Db(self.settings.database_url.split("?")[0])
@@ -139,6 +142,16 @@ class Producer(threading.Thread):
             self.sent.facts.append((signal_id, user, n))
         if self.broker_down.is_set():
             self.sent.while_broker_down += 1
+
+    def burst(self, count: int) -> None:
+        """``count`` more valid session ends at once, from the caller's thread, tallied
+        with the paced ones (each for a user who has had signals before)."""
+        db = Db(self.settings.database_url.split("?")[0])
+        try:
+            for _ in range(count):
+                self._send(db, next(self._extra))
+        finally:
+            db.close()
 
     def finish(self, timeout: float) -> Sent:
         self.join(timeout)
