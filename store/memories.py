@@ -13,7 +13,7 @@ import json
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -272,6 +272,18 @@ def restored_entries(session: Session, user_ids: Sequence[str]) -> dict[tuple[st
         .group_by(Event.user_id, Event.entry_id)
     )
     return {(user_id, entry_id): at for user_id, entry_id, at in found}
+
+
+def as_restored(row: Any, restored_at: datetime | None) -> bool:
+    """Whether ``row``, which a restore put back at ``restored_at`` (None: none did), still
+    holds what was put back: written since (by the host, or its id used again), it is a
+    row like any other. Pruning, ``keep_newest`` and summarizing leave such a row alone."""
+    if restored_at is None:
+        return False
+    updated = row.updated_at
+    if updated is not None and updated.tzinfo is not None:
+        updated = updated.astimezone(UTC).replace(tzinfo=None)
+    return updated is None or updated <= restored_at
 
 
 def record_events(

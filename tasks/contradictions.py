@@ -17,7 +17,7 @@ import re
 from collections import defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Table
@@ -27,6 +27,7 @@ from store import contradictions as store
 from store import key_vectors
 from store.entry_state import GDPR_PREFIX
 from store.memories import (
+    as_restored,
     contradiction_candidates,
     loose_key,
     remove_entries,
@@ -150,15 +151,7 @@ class _Pass:
             store.refresh(self.session, existing.id, [r.id for r in rows], _fingerprint(rows))
 
     def _as_restored(self, row: Any) -> bool:
-        """Whether the row is as a restore put it back: written since (by the host, or
-        its id used again), it is a row like any other."""
-        at = self.restored.get(str(row.id))
-        if at is None:
-            return False
-        updated = row.updated_at
-        if updated is not None and updated.tzinfo is not None:
-            updated = updated.astimezone(UTC).replace(tzinfo=None)
-        return updated is None or updated <= at
+        return as_restored(row, self.restored.get(str(row.id)))
 
     def close_stale(self, stale: list[Contradiction]) -> None:
         for contradiction in stale:

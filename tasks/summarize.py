@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session
 
 from store.db import session_scope
 from store.entry_state import GDPR_PREFIX
-from store.memories import table_for, user_entries
+from store.memories import as_restored, restored_entries, table_for, user_entries
 from store.summaries import NewEntry, replace_group
 from store.types import usd_to_nano
 from worker import metrics
@@ -244,15 +244,24 @@ def summarize_user(
 
     Transient model errors, groups changed meanwhile and groups the budget cannot pay
     for are deferred to the next pass (``retry_soon``); unusable replies (the group is
-    left unchanged) to the user's next scheduled dream.
+    left unchanged) to the user's next scheduled dream. Entries a restore put back (the
+    originals of a summary undone, say) are left out while they hold what it put back:
+    summarizing them again would undo the restore.
     ``keep_alive`` runs before each group and ``hold`` inside each replacing
     transaction, before it commits; either may raise to stop (the run lost its lease).
     """
     table = table_for(settings)
     with session_scope(settings) as session:
         rows = user_entries(session, table, user_id)
+        groups = groups_of(rows, settings, book, owners)
+        if groups:
+            # Only a user with something to summarize has restores looked up.
+            restored = restored_entries(session, [user_id])
+            if restored:
+                rows = [r for r in rows if not as_restored(r, restored.get((user_id, str(r.id))))]
+                groups = groups_of(rows, settings, book, owners)
     step = _Pass(settings, user_id, run_id, table, hold)
-    for group in groups_of(rows, settings, book, owners):
+    for group in groups:
         keep_alive()
         policy = book.for_agent(group[0].source_agent_id)
         step.summarize(group, policy.summarizeTargetEntries, policy.summarizeMinEntries)

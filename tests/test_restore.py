@@ -107,3 +107,39 @@ def test_a_restore_under_keep_newest_sticks_while_the_row_holds_what_was_put_bac
         session.execute(update(table).where(table.c.id == newer["id"]).values(value="Madrid", updated_at=now()))
     dream()
     assert set(entries_of(settings, "u1")) == {newer["id"]}
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_restored_summary_is_not_summarized_again_while_its_entries_hold_what_was_put_back(
+    store_settings: Settings, chunked: bool
+) -> None:
+    # Undoing a summary puts its originals back; the next dream must not summarize
+    # them again (that would undo the restore), until they are written again.
+    from sqlalchemy import update
+
+    from store.types import now
+    from tasks.dream import dream_users
+
+    settings = store_settings.model_copy(update={"prune_stale_after_days": 3650})
+
+    def dream() -> int:
+        if chunked and settings.database_url.startswith("postgresql"):
+            return dream_users(settings, ["u1"])[0].entries_summarized
+        return dream_user(settings, "u1").entries_summarized
+
+    seed(settings, [entry("u1", f"n{i}", f"note {i}", category="context") for i in range(5)])
+    originals = entries_of(settings, "u1")
+    outcome = dream_user(settings, "u1")
+    assert outcome.entries_summarized == 5 and outcome.run_id is not None
+    assert not set(entries_of(settings, "u1")) & set(originals)
+    with session_scope(settings) as session:
+        result = restore_run(session, table_for(settings), outcome.run_id)
+    assert result.restored == 5
+    assert dream() == 0
+    assert dream() == 0
+    assert entries_of(settings, "u1") == originals
+    # Written since (by the host), they are entries like any other.
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        session.execute(update(table).where(table.c.user_id == "u1").values(updated_at=now()))
+    assert dream() == 5
