@@ -64,7 +64,10 @@ class PassReport:
             if outcome.error:
                 # Printed by ``--json``: an error may quote a connection URL.
                 self.errors.append(mask_secrets(f"run {outcome.run_id}: {outcome.error}"))
-        self.users_processed += 1
+        else:
+            # As ``dream_users_processed_total``: runs that finished without failing.
+            self.users_processed += 1
+        # A failed run's work done before it failed (committed) is counted all the same.
         self.entries_pruned += outcome.entries_pruned
         self.contradictions_found += outcome.contradictions_found
         self.entries_summarized += outcome.entries_summarized

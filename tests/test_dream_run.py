@@ -151,6 +151,33 @@ def _dirty_and_unlocked(settings: Settings, users: list[str]) -> dict[str, tuple
         return {s.user_id: (s.dirty_since is not None, s.lock_token is None) for s in states}
 
 
+def test_a_pass_counts_a_failed_users_run_as_failed_not_processed(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``users_processed`` means what ``dream_users_processed_total`` means: runs that
+    # finished without failing; a failed one is counted in ``users_failed`` only.
+    from schedules.cron import run_once
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    users = ["p1", "p2-bad", "p3"]
+    _chunk_world(settings, users)
+
+    def broken_for_one(session: Any, settings: Settings, user_id: str, **kwargs: Any) -> Any:
+        if user_id == "p2-bad":
+            raise ValueError("this user's data breaks detection")
+        return real_detect(session, settings, user_id, **kwargs)
+
+    def broken_chunk(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the chunk's detection fails on one user's data")
+
+    real_detect = tasks.dream.detect
+    monkeypatch.setattr(tasks.dream, "detect", broken_for_one)
+    monkeypatch.setattr(tasks.dream, "detect_many", broken_chunk)
+    report = run_once(settings, users=users)
+    assert (report.users_processed, report.users_failed, report.users_skipped) == (2, 1, 0)
+    assert len(report.errors) == 1 and len(report.run_ids) == 3
+
+
 def test_one_users_failure_in_a_chunk_costs_the_others_nothing(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
