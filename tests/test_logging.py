@@ -19,7 +19,7 @@ import worker.celery_hooks  # noqa: F401 - connects the handlers under test
 from worker.logging_setup import configure_logging, redact_text
 from worker.logs import get_logger, user_ref
 from worker.producer import enqueue_signal
-from worker.settings import Settings
+from worker.settings import Settings, get_settings
 from worker.url_secrets import mask_secrets, mask_url
 
 SECRET = "sk-proj-Zq8XvL2mN4pR7tY1wK9bC3dF6gH0jS5a"
@@ -212,6 +212,33 @@ def test_beat_and_worker_warn_once_about_the_public_hash_key(
     warned = _public_key_warnings(captured)
     assert sorted(line["process"] for line in warned) == ["beat", "worker"]
     assert all(line["level"] == "warning" and "REVERIE_LOG_HASH_KEY" in line["hint"] for line in warned)
+
+
+def test_a_worker_says_at_start_that_the_last_access_column_is_missing(
+    captured: io.StringIO, fresh_warnings: None, monkeypatch: pytest.MonkeyPatch, pg_settings: Settings
+) -> None:
+    # What ``reverie run`` refuses, a worker says in one line when it starts (it still
+    # starts: signals need no such column), not once per failed dream.
+    from worker import celery_hooks, metrics_server
+    from worker.errors import ConfigError
+
+    def no_server(settings: Settings) -> None:
+        raise ConfigError("not in this test")
+
+    monkeypatch.setattr(celery_hooks, "configure_logging", lambda settings: None)
+    monkeypatch.setattr(celery_hooks, "_preload_gateway", lambda settings: None)
+    monkeypatch.setattr(metrics_server, "serve", no_server)
+    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
+    for column, said in (("no_such_col", 1), ("created_at", 0)):
+        monkeypatch.setenv("REVERIE_MEMORY_LAST_ACCESS_COLUMN", column)
+        get_settings.cache_clear()
+        before = len(lines(captured))
+        signals.worker_init.send(sender=None)
+        found = [line for line in lines(captured)[before:] if line.get("event") == "memory_table_mismatch"]
+        assert len(found) == said, column
+        if said:
+            assert found[0]["level"] == "error"
+            assert "REVERIE_MEMORY_LAST_ACCESS_COLUMN=no_such_col" in found[0]["error"]
 
 
 def test_no_warning_with_a_key_of_ones_own(

@@ -80,6 +80,7 @@ def _worker_init(**_: Any) -> None:
     # worker_init comes before Celery's setup_logging; these first lines need the format too.
     configure_logging(settings)
     warn_if_public_hash_key(settings, process="worker")
+    _check_memory_table(settings)
     _preload_key_matcher(settings)
     _preload_gateway(settings)
     directory = metrics_server.multiprocess_dir()
@@ -99,6 +100,26 @@ def _worker_init(**_: Any) -> None:
         log.error("metrics endpoint not started", error=str(exc))
         return
     log.info("metrics endpoint serving", port=_server.port, path="/metrics")
+
+
+def _check_memory_table(settings: Settings) -> None:
+    """Say at start, in one line, what ``reverie run`` and ``reverie health`` refuse: a
+    last-access column the host's table does not have, on which every dream would fail.
+    The worker starts all the same (signals need no such column): the line says why its
+    dreams fail until the setting or the table is mended."""
+    from store.db import dispose_engines
+    from store.memories import check_memory_table
+
+    try:
+        check_memory_table(settings)
+    except ReverieError as exc:
+        log.error("memory_table_mismatch", error=str(exc), hint="every dream fails until this is mended")
+    except Exception as exc:
+        # The database may not be up yet; the dreams say the rest.
+        log.warning("memory table not checked", error_type=type(exc).__name__)
+    finally:
+        # Nothing opened here is carried into the forked children.
+        dispose_engines()
 
 
 def _preload_key_matcher(settings: Settings) -> None:
