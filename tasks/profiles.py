@@ -305,7 +305,7 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
     for user_id in read.users:
         entries[user_id] = read_entries(read.rows[user_id], ranked=read.ranked)
     counts = iter(count.lines([e for mine in entries.values() for e in mine]))
-    headers = header_tokens(count)
+    headers = header_tokens(count.recurring)
     whole = Whole(budget, headers) if count.by_lines else None
     for user_id in read.users:
         # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
@@ -319,7 +319,7 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
             shown = seen.of(agent)
             by_model = writer is not None and book.for_agent(agent or None).writes_profiles_with_model
             if whole is not None and not by_model:
-                fits = whole.row(lines, shown, count, line_json)
+                fits = whole.row(lines, shown, count.recurring, line_json)
                 if fits is not None:
                     out[user_id].append(_row(user_id, agent, fits, tokenizer=tokenizer, at=read.at, print_=print_))
                     continue
@@ -465,11 +465,10 @@ def refresh(
 class TokenCount:
     """The configured model's token count (a callable), with the tokenizer looked up once
     and each short text (a line, a header: global entries recur in every agent's
-    profile) counted once per refresh. The shortest texts (a key's part of a line, a
-    header, a left-out line: the same few recur in every chunk) are counted once per
-    process, per tokenizer. Where the tokenizer allows (the built-in model's),
-    :meth:`lines` counts many lines in one call, and a text's count is made of its
-    lines' (``by_lines``)."""
+    profile) counted once per refresh; :meth:`recurring` counts the texts every chunk
+    has (a key's part of a line, a header, a left-out line) once per process. Where the
+    tokenizer allows (the built-in model's), :meth:`lines` counts many lines in one
+    call, and a text's count is made of its lines' (``by_lines``)."""
 
     def __init__(self, settings: Settings) -> None:
         self._count = llm.text_counter(settings)
@@ -483,12 +482,22 @@ class TokenCount:
             return 0
         if len(text) > fmt.COUNT_WINDOW_CHARS:
             return self._count(text)
-        cache = self._recurring if len(text) <= RECURRING_CHARS else self._cache
-        known = cache.get(text)
+        known = self._cache.get(text)
         if known is None:
-            if len(cache) >= RECURRING_TEXTS and cache is self._recurring:
-                cache.clear()  # bounded: a process counting ever new short texts starts over
-            known = cache[text] = self._count(text)
+            known = self._cache[text] = self._count(text)
+        return known
+
+    def recurring(self, text: str) -> int:
+        """:meth:`__call__` of a text that recurs from chunk to chunk and holds no value
+        (a key's part of a line, a header, a left-out line), counted once per process
+        and tokenizer: at most ``RECURRING_TEXTS`` of them, then the store starts over."""
+        if len(text) > RECURRING_CHARS:
+            return self(text)
+        known = self._recurring.get(text)
+        if known is None:
+            if len(self._recurring) >= RECURRING_TEXTS:
+                self._recurring.clear()
+            known = self._recurring[text] = self._count(text) if text else 0
         return known
 
     def lines(self, entries: Sequence[Entry]) -> list[int]:
@@ -504,7 +513,7 @@ class TokenCount:
             return [self(entry.text) for entry in entries]
         rests = self._lines([entry.text[entry.head :] for entry in entries])
         return [
-            tokens + self(entry.text[: entry.head]) if entry.head else tokens
+            tokens + self.recurring(entry.text[: entry.head]) if entry.head else tokens
             for entry, tokens in zip(entries, rests, strict=True)
         ]
 
@@ -513,8 +522,8 @@ def counter(settings: Settings) -> TokenCount:
     return TokenCount(settings)
 
 
-#: Texts this short (a key's part of a line is at most 64 characters) are counted once
-#: per process and tokenizer, up to this many of them.
+#: :meth:`TokenCount.recurring`'s texts are this short at most (a key's part of a line
+#: is at most 64 characters); it keeps this many counts per tokenizer.
 RECURRING_CHARS = 64
 RECURRING_TEXTS = 65_536
 _RECURRING: weakref.WeakKeyDictionary[Counter, dict[str, int]] = weakref.WeakKeyDictionary()

@@ -537,7 +537,8 @@ def test_a_lines_count_made_of_its_keys_part_and_the_rest_is_the_whole_lines(
 
 def test_the_recurring_short_texts_are_counted_once_per_process_and_stay_bounded(monkeypatch: Any) -> None:
     # A key's part, a header, a left-out line: each chunk's refresh has the same few,
-    # so they are counted once per process (per tokenizer), in a bounded store.
+    # so they are counted once per process (per tokenizer), in a bounded store. A line
+    # holding a value is its refresh's own, however short.
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
     found = llm._builtin_counter()
     assert found is not None
@@ -546,17 +547,21 @@ def test_the_recurring_short_texts_are_counted_once_per_process_and_stay_bounded
     monkeypatch.setattr(found, "_encode", lambda text: encoded.append(text) or real(text))
     key_part = f"- key {uuid.uuid4().hex}:"
     first, second = profiles.counter(settings), profiles.counter(settings)
-    assert first(key_part) == second(key_part) == len(real(key_part))
+    assert first.recurring(key_part) == second.recurring(key_part) == len(real(key_part))
     assert encoded == [key_part]  # the second refresh's counter did not count it again
-    # Longer texts stay the refresh's own.
-    long_line = f"- note: {'x' * profiles.RECURRING_CHARS} {uuid.uuid4().hex}\n"
-    assert first(long_line) == second(long_line) == len(real(long_line))
-    assert encoded.count(long_line) == 2
+    value_line = f"- pin: {uuid.uuid4().hex}\n"
+    assert first(value_line) == second(value_line) == len(real(value_line))
+    assert encoded.count(value_line) == 2
+    # What compose counts of a user's lines goes through the store too.
+    entry_ = profiles._entry("home_city", f"Lisbon {uuid.uuid4().hex}", "fact", "global", None, conflicted=False)
+    encoded.clear()
+    assert first.lines([entry_]) == second.lines([entry_]) == [len(real(entry_.text))]
+    assert encoded.count("- home city:") <= 1
     monkeypatch.setattr(profiles, "RECURRING_TEXTS", 3)
     shared = profiles._recurring_counts(found)
     for n in range(10):
         text = f"- k{n} {uuid.uuid4().hex}:"
-        assert first(text) == len(real(text))
+        assert first.recurring(text) == len(real(text))
         assert len(shared) <= 3
 
 
