@@ -63,3 +63,25 @@ def test_profile_benchmark_quick_mode_reads_and_sweeps_and_rebuilds_nobody_uncha
     changed = re.search(r"profiles on: (\d+) users", later)
     rebuilt = re.search(r"; (\d+) users' profiles rebuilt", later)
     assert changed and rebuilt and int(changed[1]) > 0 and rebuilt[1] == changed[1], later
+
+
+def test_profile_step_benchmark_stops_the_build_after_each_step(pg_settings: object) -> None:
+    # Each variant checks its own sweeps (every user processed; profiles written by the
+    # whole build only, none by the stopped ones), and fails the run otherwise.
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.profile_steps", "--users", "20", "--rounds", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={
+            "REVERIE_BENCH_PG_ADMIN_URL": PG_ADMIN_URL,
+            "PATH": "/usr/bin:/bin",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        },
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| P7 ")]
+    assert len(rows) == 4, done.stdout
+    assert all("profiles off" in row for row in rows[1:]) and rows[-1].count("whole first build") == 1, done.stdout
