@@ -32,6 +32,7 @@ from sqlalchemy import (
     delete,
     false,
     func,
+    literal,
     null,
     or_,
     select,
@@ -480,7 +481,12 @@ def entries_for_build(
         last_access_column=last_access_column,
     )
     stmt = _build_statement(
-        table, table.c.user_id.in_(users), stale, last_access_column, content_hash(session, table, last_access_column)
+        table,
+        table.c.user_id.in_(users),
+        stale,
+        last_access_column,
+        content_hash(session, table, last_access_column),
+        finite=session.get_bind().dialect.name == "postgresql",
     ).order_by(table.c.user_id, table.c.id)
     # Through the connection: plain rows, without the ORM's loading of each one.
     return list(session.connection().execute(stmt).all())
@@ -492,12 +498,22 @@ def _build_statement(
     stale: ColumnElement[bool],
     last_access_column: str | None,
     hashed: ColumnElement[Any] | None,
+    *,
+    finite: bool = False,
 ) -> Select[Any]:
     """The users' rows with the columns of ``BUILD_COLUMNS``, in that order (a NULL
-    ``content_hash`` where ``hashed`` is None)."""
+    ``content_hash`` where ``hashed`` is None). ``finite``: the host's last access as a
+    time Python holds (PostgreSQL's ``-infinity``, a host's usual "never", as NULL;
+    ``infinity`` as the last day Python's times reach), for rows ranked in Python."""
     recalled: ColumnElement[Any] = EntryState.__table__.c.last_recalled_at
     if last_access_column:
-        accessed = table.c[last_access_column]
+        accessed: ColumnElement[Any] = table.c[last_access_column]
+        if finite:
+            accessed = case(
+                (func.isfinite(accessed), accessed),
+                (accessed > func.now(), literal(_LAST_DAY, accessed.type)),
+                else_=null(),
+            )
         recalled = case(
             (EntryState.last_recalled_at.is_(None), accessed),
             (or_(accessed.is_(None), accessed < EntryState.last_recalled_at), EntryState.last_recalled_at),
@@ -525,6 +541,11 @@ def _build_statement(
         )
         .where(of_users)
     )
+
+
+#: ``infinity`` as Python reads it: a day short of the last one, so no time zone's offset
+#: takes it past the year 9999.
+_LAST_DAY = datetime(9999, 12, 30)
 
 
 def _flag(condition: ColumnElement[bool]) -> ColumnElement[bool]:

@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
@@ -59,6 +59,9 @@ class Built:
 def _touched(row: Any) -> datetime:
     latest = None
     for stamp in (row.updated_at, row.created_at, row.last_recalled_at):
+        if stamp is not None and stamp.tzinfo is not None:
+            # A host's column with a time zone: as UTC, like every time Reverie keeps.
+            stamp = stamp.astimezone(UTC).replace(tzinfo=None)
         if stamp is not None and (latest is None or stamp > latest):
             latest = stamp
     return latest if latest is not None else datetime.min

@@ -1347,3 +1347,35 @@ def test_a_host_time_of_infinity_is_fingerprinted_and_costs_no_other_user_a_prof
     finally:
         with session_scope(pg_settings) as session:
             session.execute(sql_text("ALTER TABLE usermemories DROP COLUMN last_accessed_at"))
+
+
+def test_a_host_timestamptz_column_ranks_on_the_python_path_as_in_sql(pg_settings: Settings, monkeypatch: Any) -> None:
+    # Where the rows are ranked in Python (a Citus cluster; any database but PostgreSQL),
+    # a host's last-access column with a time zone ranks as the one statement ranks it:
+    # the same profiles, not a comparison of aware and naive times that fails the build.
+    import store.profiles as profile_store
+
+    seed(pg_settings, _world("z1"))
+    with session_scope(pg_settings) as session:
+        # '-infinity' is a host's usual "never accessed"; one entry was, three days ago.
+        session.execute(
+            sql_text("ALTER TABLE usermemories ADD COLUMN last_accessed_at TIMESTAMPTZ NOT NULL DEFAULT '-infinity'")
+        )
+        session.execute(
+            sql_text(
+                "UPDATE usermemories SET last_accessed_at = now() - interval '3 days' WHERE user_id = 'z1'"
+                " AND key = (SELECT min(key) FROM usermemories WHERE user_id = 'z1')"
+            )
+        )
+    try:
+        settings = pg_settings.model_copy(update={"memory_last_access_column": "last_accessed_at"})
+        assert set(_refresh(settings, ["z1"])) == {"z1"}
+        in_sql = {agent: p.text for agent, p in _stored(settings, "z1").items()}
+        with session_scope(settings) as session:
+            session.execute(sql_text("DELETE FROM dream_profiles WHERE user_id = 'z1'"))
+        monkeypatch.setattr(profile_store, "_on_citus", lambda session: True)
+        assert set(_refresh(settings, ["z1"])) == {"z1"}
+        assert {agent: p.text for agent, p in _stored(settings, "z1").items()} == in_sql
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(sql_text("ALTER TABLE usermemories DROP COLUMN last_accessed_at"))
