@@ -334,10 +334,20 @@ def _first_line(exc: BaseException | None) -> str:
     return mask_secrets(str(exc).strip().splitlines()[0]) if exc is not None and str(exc).strip() else "unknown error"
 
 
+#: The oldest PostgreSQL served (``server_version_num``): 14 has ``hash_record``, which
+#: the profiles' fingerprint hashes rows with.
+MIN_POSTGRESQL = 140000
+
+
 def check_connection(settings: Settings) -> None:
-    """Connect once, so commands fail with one clear line before doing any work."""
-    with translate_errors(settings), get_engine(settings).connect():
-        pass
+    """Connect once, so commands fail with one clear line before doing any work; a
+    PostgreSQL older than :data:`MIN_POSTGRESQL` is refused (:class:`ConfigError`)."""
+    with translate_errors(settings), get_engine(settings).connect() as connection:
+        if settings.is_sqlite:
+            return
+        number = int(connection.exec_driver_sql("SHOW server_version_num").scalar() or 0)
+    if number < MIN_POSTGRESQL:
+        raise ConfigError(f"PostgreSQL {MIN_POSTGRESQL // 10000} or newer is needed; this server is {number // 10000}")
 
 
 def has_table(settings: Settings, name: str) -> bool:

@@ -9,15 +9,11 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from store.db import get_engine, translate_errors
-from worker.errors import ConfigError
+from store.db import check_connection, get_engine, translate_errors
 from worker.settings import Settings
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 VERSION_TABLE = "dream_alembic_version"
-#: The oldest PostgreSQL served (``server_version_num``): 14 has ``hash_record``, which
-#: the profiles' fingerprint hashes rows with.
-MIN_POSTGRESQL = 140000
 
 
 def _config(settings: Settings) -> Config:
@@ -46,24 +42,14 @@ def current_revision(settings: Settings) -> str | None:
 
 def upgrade(settings: Settings, revision: str = "head") -> tuple[str | None, str]:
     """Apply pending migrations; returns (revision before, revision after). Idempotent.
-    Refuses (:class:`ConfigError`) a PostgreSQL older than :data:`MIN_POSTGRESQL`."""
-    check_server(settings)
+    Refuses (:class:`ConfigError`) a PostgreSQL older than ``store.db.MIN_POSTGRESQL``."""
+    check_connection(settings)
     before = current_revision(settings)
     config = _config(settings)
     with translate_errors(settings), get_engine(settings).begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
     return before, current_revision(settings) or "base"
-
-
-def check_server(settings: Settings) -> None:
-    """Raise :class:`ConfigError` on a PostgreSQL server too old to run Reverie."""
-    if settings.is_sqlite:
-        return
-    with translate_errors(settings), get_engine(settings).connect() as connection:
-        number = int(connection.exec_driver_sql("SHOW server_version_num").scalar() or 0)
-    if number < MIN_POSTGRESQL:
-        raise ConfigError(f"PostgreSQL {MIN_POSTGRESQL // 10000} or newer is needed; this server is {number // 10000}")
 
 
 def is_current(settings: Settings) -> bool:

@@ -409,3 +409,27 @@ def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_setting
     with session_scope(pg_settings) as session:
         state = session.get(UserState, "u-r")
         assert state is None or state.dirty_since is None
+
+
+def test_a_postgresql_older_than_served_stops_run_and_health_in_one_line(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before any work, as ``reverie migrate`` does: not a profile build failing on every pass.
+    import store.db
+    from worker.cli import main
+    from worker.settings import get_settings
+
+    monkeypatch.setattr(store.db, "MIN_POSTGRESQL", 990000)  # as if this server were too old
+    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
+    get_settings.cache_clear()
+    try:
+        for args in (["run", "--json"], ["health"]):
+            with pytest.raises(SystemExit) as exited:
+                main(args)
+            out, err = capsys.readouterr()
+            assert exited.value.code == 1, args
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and "PostgreSQL 99 or newer is needed; this server is" in lines[0], err
+            assert out == ""
+    finally:
+        get_settings.cache_clear()

@@ -214,11 +214,13 @@ def test_beat_and_worker_warn_once_about_the_public_hash_key(
     assert all(line["level"] == "warning" and "REVERIE_LOG_HASH_KEY" in line["hint"] for line in warned)
 
 
-def test_a_worker_says_at_start_that_the_last_access_column_is_missing(
+def test_a_worker_says_at_start_that_the_database_does_not_fit(
     captured: io.StringIO, fresh_warnings: None, monkeypatch: pytest.MonkeyPatch, pg_settings: Settings
 ) -> None:
-    # What ``reverie run`` refuses, a worker says in one line when it starts (it still
-    # starts: signals need no such column), not once per failed dream.
+    # What ``reverie run`` refuses (a last-access column the table lacks, a PostgreSQL
+    # too old), a worker says in one line when it starts (it still starts: signals need
+    # neither), not once per failed dream.
+    import store.db
     from worker import celery_hooks, metrics_server
     from worker.errors import ConfigError
 
@@ -229,16 +231,27 @@ def test_a_worker_says_at_start_that_the_last_access_column_is_missing(
     monkeypatch.setattr(celery_hooks, "_preload_gateway", lambda settings: None)
     monkeypatch.setattr(metrics_server, "serve", no_server)
     monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
-    for column, said in (("no_such_col", 1), ("created_at", 0)):
-        monkeypatch.setenv("REVERIE_MEMORY_LAST_ACCESS_COLUMN", column)
+    served = store.db.MIN_POSTGRESQL
+    for column, oldest, said in (
+        ("no_such_col", served, "REVERIE_MEMORY_LAST_ACCESS_COLUMN=no_such_col"),
+        (None, 990000, "PostgreSQL 99 or newer is needed"),
+        (None, served, None),
+    ):
+        if column is None:
+            monkeypatch.delenv("REVERIE_MEMORY_LAST_ACCESS_COLUMN", raising=False)
+        else:
+            monkeypatch.setenv("REVERIE_MEMORY_LAST_ACCESS_COLUMN", column)
+        monkeypatch.setattr(store.db, "MIN_POSTGRESQL", oldest)
         get_settings.cache_clear()
         before = len(lines(captured))
         signals.worker_init.send(sender=None)
-        found = [line for line in lines(captured)[before:] if line.get("event") == "memory_table_mismatch"]
-        assert len(found) == said, column
+        found = [line for line in lines(captured)[before:] if line.get("event") == "configuration_error"]
+        assert len(found) == (said is not None), (column, lines(captured)[before:])
+        # The start itself went through (the settings loaded, nothing else failed).
+        errors = {line.get("event") for line in lines(captured)[before:] if line.get("level") == "error"}
+        assert errors <= {"configuration_error", "metrics endpoint not started"}, errors
         if said:
-            assert found[0]["level"] == "error"
-            assert "REVERIE_MEMORY_LAST_ACCESS_COLUMN=no_such_col" in found[0]["error"]
+            assert found[0]["level"] == "error" and said in found[0]["error"]
 
 
 def test_no_warning_with_a_key_of_ones_own(

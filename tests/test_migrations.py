@@ -122,15 +122,15 @@ def test_migrate_twice_is_a_no_op(empty_pg: str) -> None:
 def test_a_postgresql_older_than_served_is_refused_before_any_change(
     empty_pg: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import store.migrate
+    import store.db
     from worker.errors import ConfigError
 
     settings = _base_settings(database_url=empty_pg)
     with psycopg.connect(_plain(empty_pg)) as conn:
         number = int(conn.execute("SHOW server_version_num").fetchone()[0])  # type: ignore[index]
-    assert number >= store.migrate.MIN_POSTGRESQL  # the server the suite runs on is served
+    assert number >= store.db.MIN_POSTGRESQL  # the server the suite runs on is served
     # As if this server were one major version short of the oldest served.
-    monkeypatch.setattr(store.migrate, "MIN_POSTGRESQL", (number // 10000 + 1) * 10000)
+    monkeypatch.setattr(store.db, "MIN_POSTGRESQL", (number // 10000 + 1) * 10000)
     with pytest.raises(ConfigError, match=rf"PostgreSQL {number // 10000 + 1} or newer is needed; this server is"):
         upgrade(settings)
     with psycopg.connect(_plain(empty_pg)) as conn:

@@ -29,7 +29,7 @@ from celery import signals
 from celery.app import trace as celery_trace
 
 from worker import metrics_server
-from worker.errors import ReverieError
+from worker.errors import ConfigError, ReverieError
 from worker.logging_setup import configure_logging, route_litellm_logging
 from worker.logs import get_logger, warn_if_public_hash_key
 from worker.metrics_server import refresh_pending_gauge
@@ -80,7 +80,7 @@ def _worker_init(**_: Any) -> None:
     # worker_init comes before Celery's setup_logging; these first lines need the format too.
     configure_logging(settings)
     warn_if_public_hash_key(settings, process="worker")
-    _check_memory_table(settings)
+    _check_database(settings)
     _preload_key_matcher(settings)
     _preload_gateway(settings)
     directory = metrics_server.multiprocess_dir()
@@ -102,21 +102,23 @@ def _worker_init(**_: Any) -> None:
     log.info("metrics endpoint serving", port=_server.port, path="/metrics")
 
 
-def _check_memory_table(settings: Settings) -> None:
+def _check_database(settings: Settings) -> None:
     """Say at start, in one line, what ``reverie run`` and ``reverie health`` refuse: a
-    last-access column the host's table does not have, on which every dream would fail.
-    The worker starts all the same (signals need no such column): the line says why its
-    dreams fail until the setting or the table is mended."""
-    from store.db import dispose_engines
+    PostgreSQL older than served, or a last-access column the host's table does not
+    have; every dream would fail on either. The worker starts all the same (signals
+    need neither): the line says why its dreams fail until the setting or the database
+    is mended."""
+    from store.db import check_connection, dispose_engines
     from store.memories import check_memory_table
 
     try:
+        check_connection(settings)
         check_memory_table(settings)
-    except ReverieError as exc:
-        log.error("memory_table_mismatch", error=str(exc), hint="every dream fails until this is mended")
+    except ConfigError as exc:
+        log.error("configuration_error", error=str(exc), hint="every dream fails until this is mended")
     except Exception as exc:
         # The database may not be up yet; the dreams say the rest.
-        log.warning("memory table not checked", error_type=type(exc).__name__)
+        log.warning("database not checked at start", error_type=type(exc).__name__)
     finally:
         # Nothing opened here is carried into the forked children.
         dispose_engines()
