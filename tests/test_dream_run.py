@@ -151,6 +151,23 @@ def _dirty_and_unlocked(settings: Settings, users: list[str]) -> dict[str, tuple
         return {s.user_id: (s.dirty_since is not None, s.lock_token is None) for s in states}
 
 
+def _break_detection_for(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    """Contradiction detection fails on ``bad``'s data: the chunk's (so each user is
+    tried on their own) and ``bad``'s own."""
+
+    def broken_for_one(session: Any, settings: Settings, user_id: str, **kwargs: Any) -> Any:
+        if user_id == bad:
+            raise ValueError("this user's data breaks detection")
+        return real_detect(session, settings, user_id, **kwargs)
+
+    def broken_chunk(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the chunk's detection fails on one user's data")
+
+    real_detect = tasks.dream.detect
+    monkeypatch.setattr(tasks.dream, "detect", broken_for_one)
+    monkeypatch.setattr(tasks.dream, "detect_many", broken_chunk)
+
+
 def test_a_pass_counts_a_failed_users_run_as_failed_not_processed(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -162,17 +179,7 @@ def test_a_pass_counts_a_failed_users_run_as_failed_not_processed(
     users = ["p1", "p2-bad", "p3"]
     _chunk_world(settings, users)
 
-    def broken_for_one(session: Any, settings: Settings, user_id: str, **kwargs: Any) -> Any:
-        if user_id == "p2-bad":
-            raise ValueError("this user's data breaks detection")
-        return real_detect(session, settings, user_id, **kwargs)
-
-    def broken_chunk(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError("the chunk's detection fails on one user's data")
-
-    real_detect = tasks.dream.detect
-    monkeypatch.setattr(tasks.dream, "detect", broken_for_one)
-    monkeypatch.setattr(tasks.dream, "detect_many", broken_chunk)
+    _break_detection_for(monkeypatch, "p2-bad")
     report = run_once(settings, users=users)
     assert (report.users_processed, report.users_failed, report.users_skipped) == (2, 1, 0)
     assert len(report.errors) == 1 and len(report.run_ids) == 3
@@ -185,17 +192,7 @@ def test_one_users_failure_in_a_chunk_costs_the_others_nothing(
     users = ["c1", "c2-bad", "c3"]
     _chunk_world(settings, users)
 
-    def broken_for_one(session: Any, settings: Settings, user_id: str, **kwargs: Any) -> Any:
-        if user_id == "c2-bad":
-            raise ValueError("this user's data breaks detection")
-        return real_detect(session, settings, user_id, **kwargs)
-
-    def broken_chunk(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError("the chunk's detection fails on one user's data")
-
-    real_detect = tasks.dream.detect
-    monkeypatch.setattr(tasks.dream, "detect", broken_for_one)
-    monkeypatch.setattr(tasks.dream, "detect_many", broken_chunk)
+    _break_detection_for(monkeypatch, "c2-bad")
 
     outcomes = {o.user_id: o.status for o in dream_users(settings, users)}
 

@@ -192,20 +192,24 @@ def _public_key_warnings(stream: io.StringIO) -> list[dict[str, Any]]:
     return [line for line in lines(stream) if line.get("event") == "log_hash_key_is_public"]
 
 
-def test_beat_and_worker_warn_once_about_the_public_hash_key(
-    captured: io.StringIO, fresh_warnings: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _bare_worker_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's start-up without what these tests are not about: its own log
+    handler, the model gateway and the metrics endpoint (which logs that it did not start)."""
     from worker import celery_hooks, metrics_server
     from worker.errors import ConfigError
 
     def no_server(settings: Settings) -> None:
         raise ConfigError("not in this test")
 
-    # The worker's start-up without what this test is not about: its own log handler,
-    # the model gateway and the metrics endpoint.
     monkeypatch.setattr(celery_hooks, "configure_logging", lambda settings: None)
     monkeypatch.setattr(celery_hooks, "_preload_gateway", lambda settings: None)
     monkeypatch.setattr(metrics_server, "serve", no_server)
+
+
+def test_beat_and_worker_warn_once_about_the_public_hash_key(
+    captured: io.StringIO, fresh_warnings: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _bare_worker_start(monkeypatch)
     for _ in range(2):
         signals.beat_init.send(sender=None)
         signals.worker_init.send(sender=None)
@@ -221,15 +225,8 @@ def test_a_worker_says_at_start_that_the_database_does_not_fit(
     # too old), a worker says in one line when it starts (it still starts: signals need
     # neither), not once per failed dream.
     import store.db
-    from worker import celery_hooks, metrics_server
-    from worker.errors import ConfigError
 
-    def no_server(settings: Settings) -> None:
-        raise ConfigError("not in this test")
-
-    monkeypatch.setattr(celery_hooks, "configure_logging", lambda settings: None)
-    monkeypatch.setattr(celery_hooks, "_preload_gateway", lambda settings: None)
-    monkeypatch.setattr(metrics_server, "serve", no_server)
+    _bare_worker_start(monkeypatch)
     monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
     served = store.db.MIN_POSTGRESQL
     for column, oldest, said in (
