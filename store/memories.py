@@ -13,7 +13,7 @@ import json
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import date, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -45,7 +45,7 @@ from sqlalchemy.orm import Session
 
 from store.db import has_table, session_scope
 from store.models import ArchivedEntry, Event, memory_table, query_name
-from store.types import now
+from store.types import naive_utc, now
 from worker.errors import ConfigError, TransientError
 from worker.settings import Settings
 
@@ -280,10 +280,7 @@ def as_restored(row: Any, restored_at: datetime | None) -> bool:
     row like any other. Pruning, ``keep_newest`` and summarizing leave such a row alone."""
     if restored_at is None:
         return False
-    updated = row.updated_at
-    if updated is not None and updated.tzinfo is not None:
-        updated = updated.astimezone(UTC).replace(tzinfo=None)
-    return updated is None or updated <= restored_at
+    return row.updated_at is None or naive_utc(row.updated_at) <= restored_at
 
 
 def record_events(

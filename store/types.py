@@ -48,6 +48,12 @@ def now() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
+def naive_utc(stamp: datetime) -> datetime:
+    """``stamp`` in the memory table's convention: a time with a zone (a host's
+    ``timestamptz`` column) as naive UTC; a naive one is UTC already."""
+    return stamp.astimezone(UTC).replace(tzinfo=None) if stamp.tzinfo is not None else stamp
+
+
 def db_now(session: Session) -> datetime:
     """The database's current time, naive UTC: the one clock every host shares. For
     any time compared with one another host wrote, or a column default wrote (leases,

@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
@@ -34,7 +34,7 @@ from store import profiles as profile_store
 from store.bulk import JsonText
 from store.memories import table_for
 from store.profiles import CATEGORY_PRIORITY, NO_AGENT, OTHER_CATEGORY_PRIORITY, Fingerprint
-from store.types import db_now
+from store.types import db_now, naive_utc
 from worker import llm
 from worker import profile_text as fmt
 from worker.policy import Policy, PolicyBook
@@ -59,10 +59,10 @@ class Built:
 def _touched(row: Any) -> datetime:
     latest = None
     for stamp in (row.updated_at, row.created_at, row.last_recalled_at):
-        if stamp is not None and stamp.tzinfo is not None:
-            # A host's column with a time zone: as UTC, like every time Reverie keeps.
-            stamp = stamp.astimezone(UTC).replace(tzinfo=None)
-        if stamp is not None and (latest is None or stamp > latest):
+        if stamp is None:
+            continue
+        stamp = naive_utc(stamp)  # a host's column with a time zone: as UTC
+        if latest is None or stamp > latest:
             latest = stamp
     return latest if latest is not None else datetime.min
 
