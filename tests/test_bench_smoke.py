@@ -14,8 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def quick_bench(measure: str, *, timeout: float) -> subprocess.CompletedProcess[str]:
     """``python -m bench --quick MEASURE`` as a process of its own, on the test server."""
+    return bench_process("bench", "--quick", measure, timeout=timeout)
+
+
+def bench_process(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS...`` as a process of its own, on the test server."""
     return subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", measure],
+        [sys.executable, "-m", module, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -68,19 +73,7 @@ def test_profile_benchmark_quick_mode_reads_and_sweeps_and_rebuilds_nobody_uncha
 def test_profile_step_benchmark_stops_the_build_after_each_step(pg_settings: object) -> None:
     # Each variant checks its own sweeps (every user processed; profiles written by the
     # whole build only, none by the stopped ones), and fails the run otherwise.
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.profile_steps", "--users", "20", "--rounds", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={
-            "REVERIE_BENCH_PG_ADMIN_URL": PG_ADMIN_URL,
-            "PATH": "/usr/bin:/bin",
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        },
-    )
+    done = bench_process("bench.profile_steps", "--users", "20", "--rounds", "2", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| P7 ")]
     assert len(rows) == 4, done.stdout
