@@ -123,24 +123,35 @@ class SessionGuards:
         return values
 
     def apply(self, dbapi_connection: Any) -> None:
-        """Set :meth:`server_settings` on a new connection (as a ``SET`` would, so it
-        works behind a pooler in session mode), and leave no transaction open. A
-        setting the server refuses (an old version, a system without the option) is
-        skipped with a warning; the others still apply."""
-        values = self.server_settings()
-        if not values:
-            return
-        autocommit = dbapi_connection.autocommit
-        dbapi_connection.autocommit = True
-        try:
-            with dbapi_connection.cursor() as cursor:
-                for name, value in values.items():
-                    try:
-                        cursor.execute("SELECT set_config(%s, %s, false)", (name, value))
-                    except psycopg.Error as exc:  # refused by the server: skip this one
-                        log.warning("database_setting_refused", setting=name, error_type=type(exc).__name__)
-        finally:
-            dbapi_connection.autocommit = autocommit
+        """Set :meth:`server_settings` on a new connection (:func:`apply_session_settings`)."""
+        apply_session_settings(dbapi_connection, self.server_settings())
+
+
+#: Every Reverie session's time zone. Reverie's times are naive UTC; a host's column
+#: with a time zone (a last-access column) is compared with them, and PostgreSQL reads
+#: a naive time in the session's zone: in UTC, a cutoff, a ranking's day and a
+#: comparison mean the same whatever zone the server was set up in.
+SESSION_TIME_ZONE = "UTC"
+
+
+def apply_session_settings(dbapi_connection: Any, values: dict[str, str]) -> None:
+    """Set ``values`` on a new connection (as a ``SET`` would, so it works behind a
+    pooler in session mode; PgBouncer carries ``TimeZone`` in any mode), and leave no
+    transaction open. A setting the server refuses (an old version, a system without
+    the option) is skipped with a warning; the others still apply."""
+    if not values:
+        return
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True
+    try:
+        with dbapi_connection.cursor() as cursor:
+            for name, value in values.items():
+                try:
+                    cursor.execute("SELECT set_config(%s, %s, false)", (name, value))
+                except psycopg.Error as exc:  # refused by the server: skip this one
+                    log.warning("database_setting_refused", setting=name, error_type=type(exc).__name__)
+    finally:
+        dbapi_connection.autocommit = autocommit
 
 
 def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any) -> Engine:
@@ -172,8 +183,8 @@ def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any
         engine = create_engine(url, connect_args=connect_args, **kwargs)
     except ModuleNotFoundError as exc:
         raise ConfigError(f"database driver missing: {exc.name}") from exc
-    if guards is not None and guards.server_settings():
-        event.listen(engine, "connect", lambda dbapi_connection, _record: guards.apply(dbapi_connection))
+    values = {"TimeZone": SESSION_TIME_ZONE, **(guards.server_settings() if guards is not None else {})}
+    event.listen(engine, "connect", lambda dbapi_connection, _record: apply_session_settings(dbapi_connection, values))
     return engine
 
 

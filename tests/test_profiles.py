@@ -25,6 +25,7 @@ from store.db import session_scope
 from store.erase import rows_about
 from store.memories import table_for
 from store.models import Profile
+from store.types import now
 from tasks import profiles
 from tasks.dream import dream_users
 from tasks.erase import erase_user
@@ -1349,33 +1350,53 @@ def test_a_host_time_of_infinity_is_fingerprinted_and_costs_no_other_user_a_prof
             session.execute(sql_text("ALTER TABLE usermemories DROP COLUMN last_accessed_at"))
 
 
-def test_a_host_timestamptz_column_ranks_on_the_python_path_as_in_sql(pg_settings: Settings, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("zone", ["UTC", "Pacific/Kiritimati", "America/New_York"])
+def test_a_host_timestamptz_column_ranks_on_the_python_path_as_in_sql(
+    pg_settings: Settings, monkeypatch: Any, zone: str
+) -> None:
     # Where the rows are ranked in Python (a Citus cluster; any database but PostgreSQL),
-    # a host's last-access column with a time zone ranks as the one statement ranks it:
-    # the same profiles, not a comparison of aware and naive times that fails the build.
+    # a host's last-access column with a time zone ranks as the one statement ranks it,
+    # and both rank in UTC whatever zone the server was set up in: not a comparison of
+    # aware and naive times that fails the build, nor a day cut at local midnight.
     import store.profiles as profile_store
+    from store.db import dispose_engines
 
-    seed(pg_settings, _world("z1"))
-    with session_scope(pg_settings) as session:
-        # '-infinity' is a host's usual "never accessed"; one entry was, three days ago.
+    settings = pg_settings.model_copy(update={"memory_last_access_column": "last_accessed_at"})
+    seed(settings, [entry("z1", k, v, visibility="global", agent=None) for k, v in (("alpha", "A"), ("beta", "B"))])
+    # The same UTC day: alpha updated at noon; beta, older, recalled by the host at 05:00.
+    day = (now() - timedelta(days=3)).replace(hour=0, minute=0, second=0, microsecond=0)
+    database = settings.database_url.rsplit("/", 1)[1].split("?")[0]
+    with session_scope(settings) as session:
+        # '-infinity' is a host's usual "never accessed".
         session.execute(
             sql_text("ALTER TABLE usermemories ADD COLUMN last_accessed_at TIMESTAMPTZ NOT NULL DEFAULT '-infinity'")
         )
         session.execute(
-            sql_text(
-                "UPDATE usermemories SET last_accessed_at = now() - interval '3 days' WHERE user_id = 'z1'"
-                " AND key = (SELECT min(key) FROM usermemories WHERE user_id = 'z1')"
-            )
+            sql_text("UPDATE usermemories SET created_at = :t, updated_at = :t WHERE key = 'alpha'"),
+            {"t": day + timedelta(hours=12)},
         )
+        session.execute(
+            sql_text(
+                "UPDATE usermemories SET created_at = :t, updated_at = :t,"
+                " last_accessed_at = CAST(:a AS timestamptz) WHERE key = 'beta'"
+            ),
+            {"t": day - timedelta(days=30), "a": (day + timedelta(hours=5)).isoformat() + "+00"},
+        )
+        session.execute(sql_text(f"ALTER DATABASE \"{database}\" SET timezone = '{zone}'"))
+    dispose_engines()  # new sessions start in the database's zone
     try:
-        settings = pg_settings.model_copy(update={"memory_last_access_column": "last_accessed_at"})
+        with session_scope(settings) as session:  # Reverie's own sessions set theirs
+            assert session.execute(sql_text("SHOW TimeZone")).scalar() == "UTC"
         assert set(_refresh(settings, ["z1"])) == {"z1"}
-        in_sql = {agent: p.text for agent, p in _stored(settings, "z1").items()}
+        in_sql = _stored(settings, "z1")[""].text
+        assert in_sql.index("alpha") < in_sql.index("beta"), in_sql  # the same day: alpha is newer
         with session_scope(settings) as session:
             session.execute(sql_text("DELETE FROM dream_profiles WHERE user_id = 'z1'"))
         monkeypatch.setattr(profile_store, "_on_citus", lambda session: True)
         assert set(_refresh(settings, ["z1"])) == {"z1"}
-        assert {agent: p.text for agent, p in _stored(settings, "z1").items()} == in_sql
+        assert _stored(settings, "z1")[""].text == in_sql
     finally:
         with session_scope(pg_settings) as session:
+            session.execute(sql_text(f'ALTER DATABASE "{database}" RESET timezone'))
             session.execute(sql_text("ALTER TABLE usermemories DROP COLUMN last_accessed_at"))
+        dispose_engines()
