@@ -20,11 +20,10 @@ the profile built here is what is kept when the model's is refused or not writte
 from __future__ import annotations
 
 import json
-import threading
-import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import lru_cache
 from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
@@ -477,7 +476,6 @@ class TokenCount:
         self._count = llm.text_counter(settings)
         self._lines = llm.line_counter(settings)
         self._cache: dict[str, int] = {}
-        self._recurring = _recurring_counts(self._count)
         self.by_lines = self._lines is not None
 
     def __call__(self, text: str) -> int:
@@ -493,15 +491,9 @@ class TokenCount:
     def recurring(self, text: str) -> int:
         """:meth:`__call__` of a text that recurs from chunk to chunk and holds no value
         (a key's part of a line, a header, a left-out line), counted once per process
-        and tokenizer: at most ``RECURRING_TEXTS`` of them, then the store starts over."""
-        if len(text) > RECURRING_CHARS:
-            return self(text)
-        known = self._recurring.get(text)
-        if known is None:
-            if len(self._recurring) >= RECURRING_TEXTS:
-                self._recurring.clear()
-            known = self._recurring[text] = self._count(text) if text else 0
-        return known
+        and tokenizer (the built-in one, or one litellm resolves): at most
+        ``RECURRING_TEXTS`` of them, the least recently used let go first."""
+        return _recurring_count(self._count, text) if len(text) <= RECURRING_CHARS else self(text)
 
     def lines(self, entries: Sequence[Entry]) -> list[int]:
         """Each entry's line's count (in order): all in one call where the tokenizer
@@ -529,19 +521,12 @@ def counter(settings: Settings) -> TokenCount:
 #: is at most 64 characters); it keeps this many counts per tokenizer.
 RECURRING_CHARS = 64
 RECURRING_TEXTS = 65_536
-_RECURRING: weakref.WeakKeyDictionary[Counter, dict[str, int]] = weakref.WeakKeyDictionary()
-_RECURRING_LOCK = threading.Lock()
 
 
-def _recurring_counts(count: Counter) -> dict[str, int]:
-    """The counts of short texts made with ``count`` in this process (a tokenizer's
-    counts never change; kept while ``count`` lives: the built-in model's lives as long
-    as the process)."""
-    with _RECURRING_LOCK:
-        found = _RECURRING.get(count)
-        if found is None:
-            found = _RECURRING[count] = {}
-        return found
+@lru_cache(maxsize=RECURRING_TEXTS)
+def _recurring_count(count: Counter, text: str) -> int:
+    """``count(text)``, kept (a tokenizer's counts never change)."""
+    return count(text) if text else 0
 
 
 def _row(

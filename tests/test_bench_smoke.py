@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import PG_ADMIN_URL
 
@@ -78,3 +79,28 @@ def test_profile_step_benchmark_stops_the_build_after_each_step(pg_settings: obj
     rows = [line for line in done.stdout.splitlines() if line.startswith("| P7 ")]
     assert len(rows) == 4, done.stdout
     assert all("profiles off" in row for row in rows[1:]) and rows[-1].count("whole first build") == 1, done.stdout
+
+
+def test_the_stopped_builds_of_the_step_benchmark_send_nothing_to_the_profiles_table(pg_settings: Any) -> None:
+    # ``read`` and ``built`` must not write at all (no savepoint, no delete of the old
+    # profiles either), or the steps' split would hide part of the write in them.
+    from sqlalchemy import event
+
+    from bench.profile_steps import stopped_after
+    from store.db import get_engine
+    from tasks.dream import dream_users
+    from tests.dream_seed import entry, seed
+
+    users = [f"s{i}" for i in range(3)]
+    seed(pg_settings, [entry(u, "home_city", "Lisbon", visibility="global") for u in users])
+    seen: list[str] = []
+
+    def writes(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "dream_profiles" in statement and not statement.lstrip().upper().startswith("SELECT"):
+            seen.append(statement)
+
+    event.listen(get_engine(pg_settings), "before_cursor_execute", writes)
+    for variant in ("read", "built"):
+        with stopped_after(variant):
+            assert {o.status for o in dream_users(pg_settings, users)} == {"succeeded"}
+        assert seen == [], (variant, seen)

@@ -558,12 +558,9 @@ def test_the_recurring_short_texts_are_counted_once_per_process_and_stay_bounded
     encoded.clear()
     assert first.lines([entry_]) == second.lines([entry_]) == [len(real(entry_.text))]
     assert encoded.count("- home city:") <= 1
-    monkeypatch.setattr(profiles, "RECURRING_TEXTS", 3)
-    shared = profiles._recurring_counts(found)
-    for n in range(10):
-        text = f"- k{n} {uuid.uuid4().hex}:"
-        assert first.recurring(text) == len(real(text))
-        assert len(shared) <= 3
+    # Bounded: the least recently used let go first.
+    kept = profiles._recurring_count.cache_info()
+    assert kept.maxsize == profiles.RECURRING_TEXTS and kept.currsize <= kept.maxsize
 
 
 def test_build_profiles_false_builds_none_and_leaves_the_stored_ones(pg_settings: Settings) -> None:
@@ -770,6 +767,8 @@ def test_the_tokenizer_is_resolved_once_per_model_not_once_per_refresh(pg_settin
     assert first and set(resolved) == {llm.model_name(pg_settings)}
     _refresh(pg_settings, ["u2"])
     assert len(resolved) == first, "the second refresh loaded the tokenizer again"
+    # One counter per model, so what TokenCount.recurring keeps serves every refresh.
+    assert llm.text_counter(pg_settings) is llm.text_counter(pg_settings)
     for user in ("u1", "u2"):
         for profile in _stored(pg_settings, user).values():
             assert profile.tokens == llm.count_text_tokens(pg_settings, profile.text)

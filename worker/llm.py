@@ -247,7 +247,7 @@ def text_counter(settings: Settings) -> Callable[[str], int]:
     if litellm.disable_token_counter is not True:
         count = _resolved_counter(model, settings)
         if count is not None:
-            return lambda text: int(count(text))
+            return count  # one function per model for the process: counts made with it can be kept
     return lambda text: count_text_tokens(settings, text)
 
 
@@ -427,10 +427,13 @@ def _resolved_counter(model: str, settings: Settings) -> Callable[[str], int] | 
     try:
         from litellm.litellm_core_utils.token_counter import _get_count_function
 
-        count = _get_count_function(model, None)
+        resolved = _get_count_function(model, None)
         probe = "- warm: up, 12 words\n"
-        if count(probe) == count_text_tokens(settings, probe):
-            found = count
+        if resolved(probe) == count_text_tokens(settings, probe):
+
+            def found(text: str) -> int:
+                return int(resolved(text))
+
     except (ImportError, AttributeError, TypeError, ValueError):
         pass
     _RESOLVED[model] = found
