@@ -40,7 +40,7 @@ from store.memories import (
     remove_entries,
 )
 from store.models import ArchivedEntry, Event, Run, Signal
-from store.types import now
+from store.types import db_now, now
 from worker.errors import NotFound
 
 RESTORABLE = ("prune", "contradiction", "summarize", "replace")
@@ -181,7 +181,9 @@ class _Writer:
         self.table = table
         self.run_id = run_id
         self.signal_id = signal_id
-        self.at = now()
+        # The database's clock: a restore's time is compared with the times other hosts
+        # write (a host's later write to the row makes it a row like any other again).
+        self.at = db_now(session)
         self.done: list[Removed] = []
         self.recalls: list[tuple[str, str, int]] = []
         self.postgres = session.get_bind().dialect.name == "postgresql"
@@ -241,7 +243,13 @@ class _Writer:
 
     def finish(self) -> None:
         record_events(
-            self.session, self.done, action="restore", source="restore", run_id=self.run_id, signal_id=self.signal_id
+            self.session,
+            self.done,
+            action="restore",
+            source="restore",
+            run_id=self.run_id,
+            signal_id=self.signal_id,
+            at=self.at,
         )
         entry_state.mark_restored(self.session, self.recalls, self.at)
 

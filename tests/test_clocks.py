@@ -19,7 +19,9 @@ from sqlalchemy import insert, select, text
 import schedules.cron
 import schedules.dispatcher
 import schedules.sweeper
+import store.archive
 import store.locks
+import store.memories
 import store.runs
 import store.schedule
 import store.signals
@@ -39,6 +41,8 @@ from worker.settings import Settings
 #: Every module whose code read the worker's clock for a time compared across hosts.
 CLOCK_USERS: tuple[ModuleType, ...] = (
     store.types,
+    store.archive,
+    store.memories,
     store.locks,
     store.runs,
     store.schedule,
@@ -159,3 +163,28 @@ def test_the_days_budget_is_the_databases_day(pg_settings: Settings, skew: Skew,
     skew(timedelta(days=days))
     lines = worker.budget.lines_for(pg_settings, None, None)
     assert [(line.scope, line.key) for line in lines] == [("day", database_now(pg_settings).date().isoformat())]
+
+
+def test_a_host_write_after_a_restore_by_a_worker_ahead_makes_the_row_one_like_any_other(
+    pg_settings: Settings, skew: Skew
+) -> None:
+    # A restored summary's originals are left alone while they hold what was put back;
+    # the restore's time is the database's, so a host's write just after it (its
+    # ``updated_at`` from the database's clock) frees them, however far ahead the
+    # restoring worker's clock runs.
+    from store.archive import restore_run
+    from store.memories import table_for
+    from tasks.dream import dream_user
+    from tests.dream_seed import entry, seed
+
+    settings = pg_settings.model_copy(update={"prune_stale_after_days": 3650})
+    seed(settings, [entry("u1", f"n{i}", f"note {i}", category="context") for i in range(5)])
+    outcome = dream_user(settings, "u1")
+    assert outcome.entries_summarized == 5 and outcome.run_id is not None
+    skew(timedelta(hours=1))
+    with session_scope(settings) as session:
+        assert restore_run(session, table_for(settings), outcome.run_id).restored == 5
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        session.execute(table.update().where(table.c.user_id == "u1").values(updated_at=text("timezone('utc', now())")))
+    assert dream_user(settings, "u1").entries_summarized == 5
