@@ -14,12 +14,11 @@ from worker.cli.common import app, load_settings
 def migrate() -> None:
     """Bring the database at REVERIE_DATABASE_URL to the current schema (idempotent)."""
     from schedules.dispatcher import adopt
-    from store.db import check_connection, safe_url
+    from store.db import safe_url
     from store.migrate import upgrade
 
     settings = load_settings()
-    check_connection(settings)
-    before, after = upgrade(settings)
+    before, after = upgrade(settings)  # checks the connection (and the server) first
     where = safe_url(settings.database_url)
     if before == after:
         print(f"{where}: already at revision {after}; nothing to do")
