@@ -24,8 +24,9 @@ import contextlib
 import os
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
@@ -49,26 +50,16 @@ def stopped_after(variant: str) -> Iterator[None]:
     import tasks.dream
     import tasks.profiles
 
-    saved: list[tuple[Any, str, Any]] = []
+    def nothing_built(settings: Any, read: Any, **_: Any) -> Any:
+        return tasks.profiles.Composed({user_id: [] for user_id in read.users})
 
-    def replace(owner: Any, name: str, stand_in: Callable[..., Any]) -> None:
-        saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, stand_in)
-
-    if variant == "read":
-
-        def nothing_built(settings: Any, read: Any, **_: Any) -> Any:
-            return tasks.profiles.Composed({user_id: [] for user_id in read.users})
-
-        replace(tasks.profiles, "compose", nothing_built)
-    if variant in ("read", "built"):
-        # Not even the write's savepoint and its delete of the users' old profiles.
-        replace(tasks.dream, "_save_profiles", lambda session, composed, held: [])
-    try:
+    with contextlib.ExitStack() as stopped:
+        if variant == "read":
+            stopped.enter_context(mock.patch.object(tasks.profiles, "compose", nothing_built))
+        if variant in ("read", "built"):
+            # Not even the write's savepoint and its delete of the users' old profiles.
+            stopped.enter_context(mock.patch.object(tasks.dream, "_save_profiles", lambda *_: []))
         yield
-    finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
 
 
 def _profiles_in(url: str) -> int:
