@@ -591,6 +591,12 @@ def test_killed_database_connections_leave_no_half_done_run_and_lose_no_signal(
         # No wait_until here: a run left half-done must show in the figures, not as a timeout.
         poll(lambda: dream_tally(db, users, seeded).half_done == 0, 120)
         dreams = dream_tally(db, users, seeded)
+        # What a run left half-done shows of itself, for the failure message.
+        stuck = db.rows(
+            "SELECT r.id, r.started_at, s.locked_until, s.lock_token IS NOT NULL, timezone('utc', now())"
+            " FROM dream_runs r LEFT JOIN dream_user_state s ON s.user_id = r.user_id WHERE r.status = 'running'"
+        )
+        worker_logs = service.logs()
         # Unattended recovery: every user made due again dreams to the end, on the same worker.
         since = db.value("SELECT timezone('utc', now())")
         _make_due(db, users)
@@ -619,8 +625,11 @@ def test_killed_database_connections_leave_no_half_done_run_and_lose_no_signal(
     )
     assert killer.terminated > 0, f"no connection was terminated: {line}"
     assert result.lost == 0 and result.applied_twice == 0, f"{line}\nunfinished: {left}"
-    assert dreams.half_done == 0, f"runs left running after the worker went idle: {line}"
-    assert users_recovered == len(users), f"the worker did not recover unattended: {line}"
+    assert dreams.half_done == 0, (
+        f"runs left running after the worker went idle: {line}\n"
+        f"(run, started, lease until, leased, now): {stuck}\n{worker_logs}"
+    )
+    assert users_recovered == len(users), f"the worker did not recover unattended: {line}\n{service.logs()}"
     assert consistency.archived_and_present == 0 and consistency.removed_unarchived == 0, line
 
 
