@@ -136,22 +136,39 @@ SESSION_TIME_ZONE = "UTC"
 
 def apply_session_settings(dbapi_connection: Any, values: dict[str, str]) -> None:
     """Set ``values`` on a new connection (as a ``SET`` would, so it works behind a
-    pooler in session mode; PgBouncer carries ``TimeZone`` in any mode), and leave no
-    transaction open. A setting the server refuses (an old version, a system without
-    the option) is skipped with a warning; the others still apply."""
+    pooler in session mode; PgBouncer carries ``TimeZone`` in any mode), in one round
+    trip, and leave no transaction open. A setting the server refuses (an old version,
+    a system without the option) is skipped with a warning; the others still apply.
+    A connection lost meanwhile (killed, the server restarting) fails the connect with
+    the driver's error, which reads as the database gone and is tried again."""
     if not values:
         return
     autocommit = dbapi_connection.autocommit
     dbapi_connection.autocommit = True
-    try:
-        with dbapi_connection.cursor() as cursor:
+    with dbapi_connection.cursor() as cursor:
+        try:
+            cursor.execute("SELECT " + ", ".join(["set_config(%s, %s, false)"] * len(values)), _flat(values))
+        except psycopg.Error:
+            if _lost(dbapi_connection):
+                raise
+            # One was refused: each on its own, to keep the others.
             for name, value in values.items():
                 try:
                     cursor.execute("SELECT set_config(%s, %s, false)", (name, value))
-                except psycopg.Error as exc:  # refused by the server: skip this one
+                except psycopg.Error as exc:
+                    if _lost(dbapi_connection):
+                        raise
                     log.warning("database_setting_refused", setting=name, error_type=type(exc).__name__)
-    finally:
-        dbapi_connection.autocommit = autocommit
+    dbapi_connection.autocommit = autocommit
+
+
+def _flat(values: dict[str, str]) -> list[str]:
+    return [part for pair in values.items() for part in pair]
+
+
+def _lost(dbapi_connection: Any) -> bool:
+    """Whether the driver's connection is gone (closed, or broken by a lost server)."""
+    return bool(dbapi_connection.closed or getattr(dbapi_connection, "broken", False))
 
 
 def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any) -> Engine:
@@ -336,6 +353,8 @@ def _is_connect_error(exc: OperationalError) -> bool:
             'database "',
             "server closed the connection",
             "terminating connection",
+            # psycopg's word for a connection that broke before the statement was sent.
+            "the connection is lost",
         )
     )
 

@@ -669,6 +669,42 @@ def test_a_closing_transaction_is_retried_on_a_fresh_connection_when_its_own_is_
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("killed_after", [0, 1])
+def test_a_connection_killed_while_its_session_is_set_up_is_a_lost_connection_tried_again(
+    pg_settings: Settings, db: Db, killed_after: int
+) -> None:
+    # A kill that landed while a new connection's settings (its time zone and guards)
+    # were being set once surfaced as a bare driver error ("the connection is lost"),
+    # not as the database gone: the chunk's closing transaction was not tried again,
+    # and its runs stayed "running" with their leases held for ten minutes.
+    import store.db
+    from store.db import dispose_engines, session_scope
+
+    killed: list[int] = []
+    setting = store.db.apply_session_settings
+
+    def killed_on_the_way(dbapi_connection: Any, values: dict[str, str]) -> None:
+        if not killed:
+            pid = dbapi_connection.info.backend_pid
+            killed.append(pid)
+            first = dict(itertools.islice(values.items(), killed_after))
+            setting(dbapi_connection, first)  # some are set, then the backend goes
+            db.value("SELECT pg_terminate_backend(%s)", pid)
+            poll(lambda: not db.value("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", pid), 10)
+        setting(dbapi_connection, values)
+
+    dispose_engines()  # no connection pooled: the next is a new one
+    with pytest.MonkeyPatch.context() as patch:
+        # The engine's listener looks the function up by name at each new connection.
+        patch.setattr(store.db, "apply_session_settings", killed_on_the_way)
+        done = closing_transaction(pg_settings, lambda session: session.execute(text("SELECT 1")).scalar_one(), pause=0)
+    assert done == 1
+    assert len(killed) == 1
+    # The connection it was tried again on has every setting.
+    with session_scope(pg_settings) as session:
+        assert session.execute(text("SELECT current_setting('TimeZone')")).scalar_one() == "UTC"
+
+
 def test_a_closing_transaction_outlasts_a_database_that_drops_connections_for_seconds(
     pg_settings: Settings,
 ) -> None:
