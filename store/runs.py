@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
-from store.models import Run
+from store.models import Run, UserState
 from store.types import db_now
 
 
@@ -38,6 +38,27 @@ def close_abandoned(session: Session, user_ids: Sequence[str]) -> int:
         update(Run)
         .where(Run.user_id.in_(sorted(user_ids)), Run.status == "running")
         .values(status="failed", finished_at=db_now(session), error=ABANDONED)
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+#: What a ledger row says when the transaction that opened it lost its reply.
+LOST_AT_START = "the database went away as the run began"
+
+
+def close_leased_under(session: Session, user_ids: Sequence[str], token: str) -> int:
+    """Close, as failed, the ``running`` ledger rows of those of ``user_ids`` whose lease
+    is held under ``token``: the runs a transaction taking those leases opened, for the
+    caller that does not know whether it committed (its reply was lost). A token is
+    never used twice, so where nothing committed, nothing matches."""
+    if not user_ids:
+        return 0
+    leased = select(UserState.user_id).where(UserState.user_id.in_(sorted(user_ids)), UserState.lock_token == token)
+    result = session.execute(
+        update(Run)
+        .where(Run.user_id.in_(leased), Run.status == "running")
+        .values(status="failed", finished_at=db_now(session), error=LOST_AT_START)
         .execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -107,7 +108,7 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
     """
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
-    with session_scope(settings) as session:
+    with _opening(settings, token, [user_id]) as session:
         # The database's clock: the run's start is compared with times other hosts wrote.
         at = db_now(session)
         if not locks.acquire(session, user_id, token, ttl):
@@ -129,6 +130,35 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
         closing_transaction(settings, lambda session: locks.release(session, user_id, token))
         metrics.DURATION.observe(time.monotonic() - started)
     return outcome
+
+
+@contextmanager
+def _opening(settings: Settings, token: str, user_ids: Sequence[str]) -> Iterator[Session]:
+    """The transaction that takes the users' leases under ``token`` and opens their runs.
+
+    Where its ``COMMIT`` fails with the connection lost, it may have committed all the
+    same (the reply is what was lost): what it took under ``token`` is then given back
+    at once (its runs closed as failed, its leases released), so that neither the
+    task's retry nor the next pass finds the users busy until the leases run out. A
+    failure before the ``COMMIT`` committed nothing: there is nothing to give back."""
+    committing = False
+    try:
+        with session_scope(settings) as session:
+            yield session
+            committing = True
+    except DatabaseUnavailable:
+        if committing:
+            try:
+                closing_transaction(settings, lambda session: _give_back(session, user_ids, token))
+            except DatabaseUnavailable:
+                # Still gone: the leases run out by themselves, and the next run closes the rows.
+                log.warning("dream.leases_left_held", users=len(user_ids))
+        raise
+
+
+def _give_back(session: Session, user_ids: Sequence[str], token: str) -> None:
+    runs.close_leased_under(session, user_ids, token)
+    locks.release_many(session, user_ids, token)
 
 
 def _run(
@@ -429,7 +459,7 @@ def dream_users(
         return [dream_user(settings, user_id, trigger=trigger) for user_id in ids]
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
-    with session_scope(settings) as session:
+    with _opening(settings, token, ids) as session:
         at = db_now(session)
         leased = locks.acquire_many(session, ids, token, ttl)
         policies = book(settings, policy_store.all_configs(session))

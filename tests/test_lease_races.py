@@ -368,3 +368,59 @@ def test_an_erasure_keeps_its_lease_while_it_waits(pg_settings: Settings, monkey
         worker.commit()
     finished(eraser, erased)
     nothing_left(pg_settings, "ann")
+
+
+def _lose_the_reply_of(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """The transaction that calls ``tasks.dream.runs.<name>`` commits, and the reply to
+    its ``COMMIT`` never comes back: the connection dies right after the server has
+    committed, as when a database is restarted or a proxy drops the connection at that
+    instant. The caller sees the database gone; the leases and runs it opened are there."""
+    lost: list[str] = []
+    opened = getattr(dream.runs, name)
+
+    def opening(session: Any, *args: Any, **kwargs: Any) -> Any:
+        if not lost:
+            raw = session.connection().connection.dbapi_connection
+            commit = raw.commit
+
+            def committed_then_cut() -> None:
+                commit()
+                lost.append(name)
+                raw.close()
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+            raw.commit = committed_then_cut
+        return opened(session, *args, **kwargs)
+
+    monkeypatch.setattr(dream.runs, name, opening)
+    return lost
+
+
+@pytest.mark.parametrize("path", ["chunk", "one user"])
+def test_leases_taken_by_a_commit_whose_reply_was_lost_are_given_back_at_once(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    # Before: the runs stayed "running" and the leases held until they ran out (ten
+    # minutes by default): the task's retry, and every pass meanwhile, skipped the users.
+    from worker.errors import DatabaseUnavailable
+
+    users = ["lost-1", "lost-2"] if path == "chunk" else ["lost-1"]
+    for user in users:
+        seed_group(pg_settings, user)
+    lost = _lose_the_reply_of(monkeypatch, "start_runs" if path == "chunk" else "start_run")
+    with pytest.raises(DatabaseUnavailable):
+        dream_users(pg_settings, users) if path == "chunk" else dream_user(pg_settings, users[0])
+    assert lost, "the reply was never lost"
+    for user in users:
+        [run] = runs_of(pg_settings, user)
+        assert (run.status, run.error) == ("failed", "the database went away as the run began"), user
+    with session_scope(pg_settings) as session:
+        held = session.execute(
+            select(dream.locks.UserState.user_id).where(
+                dream.locks.UserState.user_id.in_(users), dream.locks.UserState.lock_token.is_not(None)
+            )
+        ).all()
+    assert held == []
+    # The task's retry dreams them at once.
+    again = dream_users(pg_settings, users) if path == "chunk" else [dream_user(pg_settings, users[0])]
+    assert [o.status for o in again] == ["succeeded"] * len(users)
