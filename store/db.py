@@ -245,6 +245,30 @@ def session_scope(settings: Settings) -> Iterator[Session]:
 
 
 @contextmanager
+def committing(settings: Settings, on_lost_reply: Callable[[Session], object]) -> Iterator[Session]:
+    """:func:`session_scope` for a transaction that takes something others wait for (a
+    lease). Where its ``COMMIT`` fails with the connection lost, it may have committed
+    all the same (the reply is what was lost): ``on_lost_reply`` then gives back what it
+    took, in a :func:`closing_transaction`, before the error is raised. It must match
+    only what this transaction took (a token of its own), so that where nothing
+    committed it does nothing. A failure before the ``COMMIT`` committed nothing and is
+    raised as it is."""
+    body_done = False
+    try:
+        with session_scope(settings) as session:
+            yield session
+            body_done = True
+    except DatabaseUnavailable:
+        if body_done:
+            try:
+                closing_transaction(settings, on_lost_reply)
+            except DatabaseUnavailable:
+                # Still gone: what it took runs out by itself (a lease's length).
+                log.warning("database_gone_at_commit", given_back=False)
+        raise
+
+
+@contextmanager
 def read_scope(settings: Settings) -> Iterator[Session]:
     """A session for reads on their own, outside any transaction (autocommit): each
     statement sees the database as of its start, and no ``BEGIN`` or ``COMMIT`` makes a

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from store import locks, runs, schedule
 from store import policies as policy_store
 from store import spend as spend_store
-from store.db import closing_transaction, get_engine, session_scope
+from store.db import closing_transaction, committing, get_engine, session_scope
 from store.runs import RunCounts
 from store.spend import BudgetLine
 from store.types import db_now, nano_to_usd, usd_to_nano
@@ -132,33 +132,17 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
     return outcome
 
 
-@contextmanager
-def _opening(settings: Settings, token: str, user_ids: Sequence[str]) -> Iterator[Session]:
+def _opening(settings: Settings, token: str, user_ids: Sequence[str]) -> AbstractContextManager[Session]:
     """The transaction that takes the users' leases under ``token`` and opens their runs.
+    Where its ``COMMIT`` lost its reply, what it took is given back at once (its runs
+    closed as failed, its leases released), so that neither the task's retry nor the
+    next pass finds the users busy until the leases run out."""
 
-    Where its ``COMMIT`` fails with the connection lost, it may have committed all the
-    same (the reply is what was lost): what it took under ``token`` is then given back
-    at once (its runs closed as failed, its leases released), so that neither the
-    task's retry nor the next pass finds the users busy until the leases run out. A
-    failure before the ``COMMIT`` committed nothing: there is nothing to give back."""
-    committing = False
-    try:
-        with session_scope(settings) as session:
-            yield session
-            committing = True
-    except DatabaseUnavailable:
-        if committing:
-            try:
-                closing_transaction(settings, lambda session: _give_back(session, user_ids, token))
-            except DatabaseUnavailable:
-                # Still gone: the leases run out by themselves, and the next run closes the rows.
-                log.warning("dream.leases_left_held", users=len(user_ids))
-        raise
+    def give_back(session: Session) -> None:
+        runs.close_leased_under(session, user_ids, token)
+        locks.release_many(session, user_ids, token)
 
-
-def _give_back(session: Session, user_ids: Sequence[str], token: str) -> None:
-    runs.close_leased_under(session, user_ids, token)
-    locks.release_many(session, user_ids, token)
+    return committing(settings, give_back)
 
 
 def _run(

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from store import erase as erase_store
 from store import locks
-from store.db import session_scope
+from store.db import committing, session_scope
 from store.models import UserState
 from tasks.leases import LeaseKeeper
 from worker.errors import LeaseLost, UserBusy
@@ -78,7 +78,9 @@ def _take_lease(settings: Settings, user_id: str, deadline: float) -> tuple[str,
     logged = False
     had_schedule: bool | None = None
     while True:
-        with session_scope(settings) as session:
+        # A lease taken by a commit whose reply was lost is given back at once: the
+        # erasure's retry would otherwise wait out its own lease.
+        with committing(settings, lambda session: locks.release(session, user_id, token)) as session:
             if had_schedule is None:
                 had_schedule = session.get(UserState, user_id) is not None
             if locks.acquire(session, user_id, token, ERASE_LEASE):

@@ -370,13 +370,13 @@ def test_an_erasure_keeps_its_lease_while_it_waits(pg_settings: Settings, monkey
     nothing_left(pg_settings, "ann")
 
 
-def _lose_the_reply_of(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
-    """The transaction that calls ``tasks.dream.runs.<name>`` commits, and the reply to
+def _lose_the_reply_of(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[str]:
+    """The transaction that calls ``owner.<name>`` commits, and the reply to
     its ``COMMIT`` never comes back: the connection dies right after the server has
     committed, as when a database is restarted or a proxy drops the connection at that
     instant. The caller sees the database gone; the leases and runs it opened are there."""
     lost: list[str] = []
-    opened = getattr(dream.runs, name)
+    opened = getattr(owner, name)
 
     def opening(session: Any, *args: Any, **kwargs: Any) -> Any:
         if not lost:
@@ -392,7 +392,7 @@ def _lose_the_reply_of(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
             raw.commit = committed_then_cut
         return opened(session, *args, **kwargs)
 
-    monkeypatch.setattr(dream.runs, name, opening)
+    monkeypatch.setattr(owner, name, opening)
     return lost
 
 
@@ -407,7 +407,7 @@ def test_leases_taken_by_a_commit_whose_reply_was_lost_are_given_back_at_once(
     users = ["lost-1", "lost-2"] if path == "chunk" else ["lost-1"]
     for user in users:
         seed_group(pg_settings, user)
-    lost = _lose_the_reply_of(monkeypatch, "start_runs" if path == "chunk" else "start_run")
+    lost = _lose_the_reply_of(monkeypatch, dream.runs, "start_runs" if path == "chunk" else "start_run")
     with pytest.raises(DatabaseUnavailable):
         dream_users(pg_settings, users) if path == "chunk" else dream_user(pg_settings, users[0])
     assert lost, "the reply was never lost"
@@ -424,3 +424,18 @@ def test_leases_taken_by_a_commit_whose_reply_was_lost_are_given_back_at_once(
     # The task's retry dreams them at once.
     again = dream_users(pg_settings, users) if path == "chunk" else [dream_user(pg_settings, users[0])]
     assert [o.status for o in again] == ["succeeded"] * len(users)
+
+
+def test_an_erasure_whose_lease_commit_lost_its_reply_gives_the_lease_back_and_erases_on_retry(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.errors import DatabaseUnavailable
+
+    seed_group(pg_settings, "lost-erased")
+    lost = _lose_the_reply_of(monkeypatch, erase.locks, "acquire")
+    with pytest.raises(DatabaseUnavailable):
+        erase_user(pg_settings, "lost-erased", wait_seconds=0)
+    assert lost
+    # The retry does not wait out the first try's lease (five minutes): it erases at once.
+    erase_user(pg_settings, "lost-erased", wait_seconds=0)
+    nothing_left(pg_settings, "lost-erased")
