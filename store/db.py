@@ -148,17 +148,15 @@ def apply_session_settings(dbapi_connection: Any, values: dict[str, str]) -> Non
     with dbapi_connection.cursor() as cursor:
         try:
             cursor.execute("SELECT " + ", ".join(["set_config(%s, %s, false)"] * len(values)), _flat(values))
-        except psycopg.Error:
-            if _lost(dbapi_connection):
-                raise
+        except psycopg.Error as exc:
+            _raise_if_lost(dbapi_connection, exc)
             # One was refused: each on its own, to keep the others.
             for name, value in values.items():
                 try:
                     cursor.execute("SELECT set_config(%s, %s, false)", (name, value))
-                except psycopg.Error as exc:
-                    if _lost(dbapi_connection):
-                        raise
-                    log.warning("database_setting_refused", setting=name, error_type=type(exc).__name__)
+                except psycopg.Error as refused:
+                    _raise_if_lost(dbapi_connection, refused)
+                    log.warning("database_setting_refused", setting=name, error_type=type(refused).__name__)
     dbapi_connection.autocommit = autocommit
 
 
@@ -166,9 +164,18 @@ def _flat(values: dict[str, str]) -> list[str]:
     return [part for pair in values.items() for part in pair]
 
 
-def _lost(dbapi_connection: Any) -> bool:
-    """Whether the driver's connection is gone (closed, or broken by a lost server)."""
-    return bool(dbapi_connection.closed or getattr(dbapi_connection, "broken", False))
+def _raise_if_lost(dbapi_connection: Any, exc: psycopg.Error) -> None:
+    """Raise, as a lost connection, ``exc`` from a connection that is gone (closed, or
+    broken by a lost server): whatever the driver's words (a timeout, a reset, an SSL
+    EOF), the connect then reads as the database gone (:func:`translate_errors`)."""
+    if dbapi_connection.closed or getattr(dbapi_connection, "broken", False):
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise psycopg.OperationalError(f"{LOST_CONNECTION}: {reason}") from exc
+
+
+#: How a connection lost while it was being set up is reported (one of the phrases
+#: :func:`translate_errors` reads as the database gone).
+LOST_CONNECTION = "the connection is lost"
 
 
 def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any) -> Engine:

@@ -18,6 +18,7 @@ tests/test_reliability.py`` runs the full counts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import threading
@@ -669,9 +670,13 @@ def test_a_closing_transaction_is_retried_on_a_fresh_connection_when_its_own_is_
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("killed_after", [0, 1])
+@pytest.mark.parametrize(
+    ("killed_after", "words"),
+    [(0, None), (1, None), (0, "could not receive data from server: Connection timed out")],
+    ids=["first", "second", "timed out"],
+)
 def test_a_connection_killed_while_its_session_is_set_up_is_a_lost_connection_tried_again(
-    pg_settings: Settings, db: Db, killed_after: int
+    pg_settings: Settings, db: Db, killed_after: int, words: str | None
 ) -> None:
     # A kill that landed while a new connection's settings (its time zone and guards)
     # were being set once surfaced as a bare driver error ("the connection is lost"),
@@ -691,6 +696,28 @@ def test_a_connection_killed_while_its_session_is_set_up_is_a_lost_connection_tr
             setting(dbapi_connection, first)  # some are set, then the backend goes
             db.value("SELECT pg_terminate_backend(%s)", pid)
             poll(lambda: not db.value("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", pid), 10)
+            if words is not None:
+                # The driver's words for a lost connection vary (a keepalive's or
+                # tcp_user_timeout's timeout, an SSL EOF): none is needed to know it.
+                cursor = dbapi_connection.cursor
+
+                class LostInOtherWords:
+                    def __init__(self, *args: Any, **kwargs: Any) -> None:
+                        self.opened = cursor(*args, **kwargs)
+
+                    def __enter__(self) -> LostInOtherWords:
+                        return self
+
+                    def __exit__(self, *exc: object) -> None:
+                        self.opened.close()
+
+                    def execute(self, *_: Any, **__: Any) -> None:
+                        with contextlib.suppress(psycopg.Error):
+                            self.opened.execute("SELECT 1")  # the driver finds the connection gone
+                        raise psycopg.OperationalError(words)
+
+                lost_in_other_words = LostInOtherWords
+                dbapi_connection.cursor = lost_in_other_words
         setting(dbapi_connection, values)
 
     dispose_engines()  # no connection pooled: the next is a new one
