@@ -267,12 +267,18 @@ def committing(settings: Settings, on_lost_reply: Callable[[Session], object]) -
             body_done = True
     except DatabaseUnavailable:
         if body_done:
-            try:
-                closing_transaction(settings, on_lost_reply)
-            except DatabaseUnavailable:
-                # Still gone: what it took runs out by itself (a lease's length).
-                log.warning("database_gone_at_commit", given_back=False)
+            give_back(settings, on_lost_reply)
         raise
+
+
+def give_back(settings: Settings, work: Callable[[Session], object], *, within: float = 30.0) -> None:
+    """Give back, in a :func:`closing_transaction`, what a transaction whose reply was
+    lost may have taken (see :func:`committing`); where the database stays gone, what it
+    took runs out by itself (a lease's length), and this says so in a warning."""
+    try:
+        closing_transaction(settings, work, within=within)
+    except DatabaseUnavailable:
+        log.warning("database_gone_at_commit", given_back=False)
 
 
 @contextmanager

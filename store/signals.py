@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Text, and_, cast, exists, func, literal, null, or_, select, text, tuple_, union_all, update
+from sqlalchemy import Text, and_, case, cast, exists, func, literal, null, or_, select, text, tuple_, union_all, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased, defer
 
@@ -182,8 +182,10 @@ def claim_signals(
     also_kinds: Sequence[str] = (),
     bury_own: bool = False,
     buried_rows: list[tuple[int, str]] | None = None,
+    token: str | None = None,
 ) -> list[Claimed]:
-    """Move up to ``limit`` claimable signals to ``processing`` under a new lease.
+    """Move up to ``limit`` claimable signals to ``processing`` under a new lease
+    (``token``: the claim's token, a new one by default; see :func:`unclaim`).
 
     Claimable: ``pending``/``failed`` whose ``available_at`` has passed, or
     ``processing`` whose lease expired (a worker died). Each claim adds one attempt
@@ -210,12 +212,13 @@ def claim_signals(
             max_attempts=max_attempts,
             with_payload=with_payload,
             also_kinds=also_kinds,
+            token=token,
         )
         if signal_id is not None and max_attempts is not None:
             buried_rows.extend(bury_exhausted(session, max_attempts=max_attempts, signal_id=signal_id))
         return claimed
     at = _clock(session)
-    token = str(uuid.uuid4())
+    token = token or new_claim_token()
     postgres = session.get_bind().dialect.name == "postgresql"
     wakeup = bury_own and with_payload and signal_id is not None and max_attempts is not None and after_id is None
     if postgres and wakeup and also_kinds and PREBUILT_WAKEUP_CLAIM:
@@ -257,6 +260,31 @@ def claim_signals(
     else:
         rows = list(session.execute(statement).all())
     return _claims(rows, token, with_payload=with_payload)
+
+
+def new_claim_token() -> str:
+    """A claim's token: never used twice."""
+    return str(uuid.uuid4())
+
+
+def unclaim(session: Session, token: str) -> int:
+    """Give back the claims made under ``token`` that still hold (``processing``):
+    pending again, available at once, the attempt the claim added taken back; for the
+    caller that does not know whether its claim committed (its reply was lost), so
+    nothing was done with them. Returns the signals given back."""
+    result = session.execute(
+        update(Signal)
+        .where(Signal.claim_token == token, Signal.status == "processing")
+        .values(
+            status="pending",
+            attempts=case((Signal.attempts > 0, Signal.attempts - 1), else_=0),
+            claim_token=None,
+            claimed_until=None,
+            available_at=_clock(session),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def _claims(rows: Sequence[Any], token: str, *, with_payload: bool) -> list[Claimed]:

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from store import schedule
 from store import signals as signal_store
-from store.db import get_engine, session_scope, translate_errors
+from store.db import committing, get_engine, give_back, session_scope, translate_errors
 from store.signals import Claimed
 from tasks import activity, feedback, session_end
 from tasks.decisions import Decision, Effect, SignalInput
@@ -54,6 +54,8 @@ log = get_logger(__name__)
 CLAIM_BATCH = 20
 LOST_CLAIM = "the claim was lost (erased, or taken over after the lease expired)"
 MAX_BACKOFF_SECONDS = 6 * 3600
+#: How long a wake-up tries to give back a claim whose reply was lost (it is retried anyway).
+CLAIM_GIVE_BACK_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,8 @@ def process_pending(settings: Settings, *, limit: int | None = None) -> SignalPa
     cursor = 0
     while limit is None or len(report.results) < limit:
         batch = CLAIM_BATCH if limit is None else min(CLAIM_BATCH, limit - len(report.results))
-        with session_scope(settings) as session:
+        token = signal_store.new_claim_token()
+        with committing(settings, partial(signal_store.unclaim, token=token)) as session:
             buried = signal_store.bury_exhausted(session, max_attempts=settings.signal_max_attempts)
             claimed = signal_store.claim_signals(
                 session,
@@ -129,6 +132,7 @@ def process_pending(settings: Settings, *, limit: int | None = None) -> SignalPa
                 after_id=cursor,
                 max_attempts=settings.signal_max_attempts,
                 with_payload=True,
+                token=token,
             )
         report.dead += _report_buried(buried)
         if not claimed:
@@ -161,21 +165,31 @@ def process_signal(settings: Settings, signal_id: int) -> str:
     attempt), where it would have left one.
     """
     buried: list[tuple[int, str]] = []
-    with _statement_scope(settings) as session:
-        # One statement before the work: the claim reads the payloads, and buries the
-        # signal if it is out of attempts with an expired lease (the sweeper's wake-up
-        # for such a row lands here, so burying on this path finds every one in time).
-        claimed = signal_store.claim_signals(
-            session,
-            lease_seconds=settings.signal_lease_seconds,
-            limit=settings.signal_wakeup_batch,
-            signal_id=signal_id,
-            also_kinds=batch_kinds(settings),
-            max_attempts=settings.signal_max_attempts,
-            with_payload=True,
-            bury_own=True,
-            buried_rows=buried,
-        )
+    token = signal_store.new_claim_token()
+    try:
+        with _statement_scope(settings) as session:
+            # One statement before the work: the claim reads the payloads, and buries the
+            # signal if it is out of attempts with an expired lease (the sweeper's wake-up
+            # for such a row lands here, so burying on this path finds every one in time).
+            claimed = signal_store.claim_signals(
+                session,
+                lease_seconds=settings.signal_lease_seconds,
+                limit=settings.signal_wakeup_batch,
+                signal_id=signal_id,
+                also_kinds=batch_kinds(settings),
+                max_attempts=settings.signal_max_attempts,
+                with_payload=True,
+                bury_own=True,
+                buried_rows=buried,
+                token=token,
+            )
+    except DatabaseUnavailable:
+        # The claim commits as it runs: one whose reply was lost would hold its signals
+        # until their lease runs out, an attempt used for nothing (the last one buries
+        # a signal never applied). Given back at once; where nothing was claimed, the
+        # token matches nothing. Briefly: the wake-up is retried anyway.
+        give_back(settings, partial(signal_store.unclaim, token=token), within=CLAIM_GIVE_BACK_SECONDS)
+        raise
     _report_buried(buried)
     outcome = "skipped"
     for result in process_claims(settings, claimed):

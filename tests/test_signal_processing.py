@@ -342,3 +342,59 @@ def test_a_wake_up_buries_its_own_exhausted_signal_and_leaves_the_others_to_thei
 
 def activity_payload(n: int) -> dict[str, Any]:
     return {"agent_id": "agent-a", "events": [{"action": f"digest-{n}", "at": "2026-01-05T09:00:00Z"}]}
+
+
+@pytest.mark.parametrize("path", ["wake-up", "pass"])
+def test_signals_claimed_by_a_commit_whose_reply_was_lost_are_given_back_at_once(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    # Before: the claims held until their lease ran out (five minutes), the task's
+    # retry said "skipped", and an attempt was used for nothing: a signal on its last
+    # attempt was buried without ever being applied.
+    import psycopg
+
+    from tasks import signals as signal_tasks
+    from worker.errors import DatabaseUnavailable
+
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    lost: list[int] = []
+    claim = signal_store.claim_signals
+
+    def claimed_then_cut(session: Any, **kwargs: Any) -> Any:
+        claimed = claim(session, **kwargs)
+        if not lost:
+            lost.append(len(claimed))
+            raw = session.connection().connection.dbapi_connection
+            if path == "wake-up":  # the claim's statement has committed on its own
+                raw.close()
+                raise DatabaseUnavailable("postgresql://db", "server closed the connection unexpectedly")
+            commit = raw.commit
+
+            def cut() -> None:
+                commit()
+                raw.close()
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+            raw.commit = cut
+        return claimed
+
+    monkeypatch.setattr(signal_tasks.signal_store, "claim_signals", claimed_then_cut)
+    with pytest.raises(DatabaseUnavailable):
+        if path == "wake-up":
+            signal_tasks.process_signal(pg_settings, sid)
+        else:
+            signal_tasks.process_pending(pg_settings)
+    assert lost == [1]
+    with session_scope(pg_settings) as session:
+        row = session.get(Signal, sid)
+        assert row is not None
+        assert (row.status, row.attempts, row.claim_token) == ("pending", 0, None)
+    # The task's retry applies it at once, on its first attempt.
+    if path == "wake-up":
+        assert signal_tasks.process_signal(pg_settings, sid) == "done"
+    else:
+        assert signal_tasks.process_pending(pg_settings).processed == 1
+    with session_scope(pg_settings) as session:
+        row = session.get(Signal, sid)
+        assert row is not None
+        assert (row.status, row.attempts) == ("done", 1)
