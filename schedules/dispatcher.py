@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from store import dispatch as dispatch_store
-from store.db import session_scope
+from store.db import committing, session_scope
+from store.types import db_now
 from worker.errors import BrokerUnavailable
 from worker.logs import get_logger
 from worker.settings import Settings
@@ -40,11 +41,17 @@ def chunked(items: Sequence[str], size: int) -> list[list[str]]:
 
 
 def claim(settings: Settings, *, at: datetime | None = None) -> list[str]:
-    """Claim the due users in a transaction of its own; committed when this returns."""
-    with session_scope(settings) as session:
+    """Claim the due users in a transaction of its own; committed when this returns.
+    A claim whose reply was lost (the connection died as it committed) is undone at
+    once, so its users are claimed by the next tick, not when the dispatch lease ends."""
+    stamped: list[datetime] = []
+    with committing(
+        settings, lambda session: dispatch_store.release_claim(session, stamped[0]) if stamped else 0
+    ) as session:
+        stamped.append(at or db_now(session))
         return dispatch_store.claim_due_users(
             session,
-            at=at,
+            at=stamped[0],
             limit=settings.dispatch_max_users,
             interval_seconds=settings.dream_interval_hours * 3600,
             dirty_delay_seconds=settings.dispatch_dirty_delay_seconds,

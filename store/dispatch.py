@@ -173,6 +173,16 @@ def release_users(session: Session, user_ids: list[str], *, at: datetime | None 
         )
 
 
+def release_claim(session: Session, at: datetime) -> int:
+    """Undo the claim stamped ``at`` (its ``dispatched_at``), for the dispatcher whose
+    claim lost its reply: it does not know which users it claimed, and sent none of
+    them. They are due again at ``at``. Returns the users released."""
+    result = session.execute(
+        update(UserState).where(UserState.dispatched_at == at).values(next_dream_at=at, dispatched_at=None)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
 # Each distinct user of the memory table read once through its user_id index (a loose
 # index scan), not every row; each new user is due at their own phase within the next
 # interval, so a database of a million users does not become due in one minute.
