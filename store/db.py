@@ -273,12 +273,14 @@ def committing(settings: Settings, on_lost_reply: Callable[[Session], object]) -
 
 def give_back(settings: Settings, work: Callable[[Session], object], *, within: float = 30.0) -> None:
     """Give back, in a :func:`closing_transaction`, what a transaction whose reply was
-    lost may have taken (see :func:`committing`); where the database stays gone, what it
-    took runs out by itself (a lease's length), and this says so in a warning."""
+    lost may have taken (see :func:`committing`); where that fails (the database stays
+    gone), what it took runs out by itself (a lease's length), and this says so in a
+    warning. It never raises: the caller raises the error it follows, which is the one
+    its task is retried on."""
     try:
         closing_transaction(settings, work, within=within)
-    except DatabaseUnavailable:
-        log.warning("database_gone_at_commit", given_back=False)
+    except Exception as exc:
+        log.warning("database_gone_at_commit", given_back=False, error_type=type(exc).__name__)
 
 
 @contextmanager
