@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select, text, update
+from sqlalchemy import delete, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -92,6 +92,12 @@ def release(session: Session, user_id: str, token: str) -> None:
         .where(UserState.user_id == user_id, UserState.lock_token == token)
         .values(locked_until=None, lock_token=None)
     )
+
+
+def forget(session: Session, user_id: str, token: str) -> None:
+    """Remove the user's state row while it holds a lease of ``token``: for the caller
+    whose lease made that row (there was none before) and who gives the lease back."""
+    session.execute(delete(UserState).where(UserState.user_id == user_id, UserState.lock_token == token))
 
 
 _PG_ENSURE = text(

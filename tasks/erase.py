@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from datetime import timedelta
+
+from sqlalchemy.orm import Session
 
 from store import erase as erase_store
 from store import locks
@@ -70,21 +73,38 @@ def lease_wait(settings: Settings) -> float:
     return lease_ttl(settings).total_seconds()
 
 
+@dataclass
+class _Taking:
+    """An erasure's lease being taken: its token, and whether the user had a schedule
+    row before (taking the lease makes one; None: not looked at yet)."""
+
+    user_id: str
+    token: str = field(default_factory=lambda: str(uuid.uuid4()))
+    had_schedule: bool | None = None
+
+    def give_back(self, session: Session) -> None:
+        """Give the lease back after a commit whose reply was lost, with the row it made."""
+        if self.had_schedule is False:
+            locks.forget(session, self.user_id, self.token)
+        else:
+            locks.release(session, self.user_id, self.token)
+
+
 def _take_lease(settings: Settings, user_id: str, deadline: float) -> tuple[str, bool]:
     """Take the user's dream lease, waiting until ``deadline`` for a run that holds it;
     the lease's token, and whether the user had a schedule row before (taking the lease
     makes one)."""
-    token = str(uuid.uuid4())
+    taking = _Taking(user_id)
     logged = False
-    had_schedule: bool | None = None
     while True:
         # A lease taken by a commit whose reply was lost is given back at once: the
-        # erasure's retry would otherwise wait out its own lease.
-        with committing(settings, lambda session: locks.release(session, user_id, token)) as session:
-            if had_schedule is None:
-                had_schedule = session.get(UserState, user_id) is not None
-            if locks.acquire(session, user_id, token, ERASE_LEASE):
-                return token, had_schedule
+        # erasure's retry would otherwise wait out its own lease (and count the row
+        # this lease made as the user's).
+        with committing(settings, taking.give_back) as session:
+            if taking.had_schedule is None:
+                taking.had_schedule = session.get(UserState, user_id) is not None
+            if locks.acquire(session, user_id, taking.token, ERASE_LEASE):
+                return taking.token, taking.had_schedule
         if time.monotonic() >= deadline:
             raise UserBusy(user_ref(user_id, settings.log_hash_key))
         if not logged:
