@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import Counter
 from datetime import datetime, timedelta
-from typing import Any
 
 import pytest
 from sqlalchemy import insert, select
@@ -346,36 +345,18 @@ def test_the_dispatcher_benchmark_runs_in_its_quick_mode(capsys: pytest.CaptureF
 def test_a_claim_whose_reply_was_lost_is_undone_and_the_next_tick_claims_the_users(pg_settings: Settings) -> None:
     # Before: the users waited out the dispatch lease (an hour by default), claimed by
     # a tick that sent nobody.
-    import psycopg
-
+    from tests.lost_replies import lose_the_reply_of
     from worker.errors import DatabaseUnavailable
 
     at = now()
     _rows(pg_settings, [{"user_id": f"lost-{i}", "next_dream_at": at - timedelta(minutes=i + 1)} for i in range(3)])
     _rows(pg_settings, [{"user_id": "claimed-before", "next_dream_at": at + timedelta(hours=1), "dispatched_at": at}])
-    claim = dispatch_store.claim_due_users
-    lost: list[int] = []
-
-    def claimed_then_cut(session: Any, **kwargs: Any) -> list[str]:
-        claimed = claim(session, **kwargs)
-        lost.append(len(claimed))
-        raw = session.connection().connection.dbapi_connection
-        commit = raw.commit
-
-        def cut() -> None:
-            commit()
-            raw.close()
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
-
-        raw.commit = cut
-        return claimed
-
     sent: list[list[str]] = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dispatcher.dispatch_store, "claim_due_users", claimed_then_cut)
+        lost = lose_the_reply_of(patch, dispatcher.dispatch_store, "claim_due_users")
         with pytest.raises(DatabaseUnavailable):
             dispatcher.dispatch(pg_settings, sent.append)
-    assert lost == [3] and sent == []
+    assert [len(claimed) for claimed in lost] == [3] and sent == []
     # The next tick claims and sends them at once; the other claim is left alone.
     result = dispatcher.dispatch(pg_settings, sent.append)
     assert result.claimed == 3

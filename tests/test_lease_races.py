@@ -32,6 +32,7 @@ from tasks import dream, erase
 from tasks.dream import dream_user, dream_users
 from tasks.erase import erase_user
 from tasks.leases import LeaseKeeper
+from tests.lost_replies import lose_the_reply_of
 from worker import offline_model
 from worker.errors import UserBusy
 from worker.producer import enqueue_signal
@@ -370,32 +371,6 @@ def test_an_erasure_keeps_its_lease_while_it_waits(pg_settings: Settings, monkey
     nothing_left(pg_settings, "ann")
 
 
-def _lose_the_reply_of(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[str]:
-    """The transaction that calls ``owner.<name>`` commits, and the reply to
-    its ``COMMIT`` never comes back: the connection dies right after the server has
-    committed, as when a database is restarted or a proxy drops the connection at that
-    instant. The caller sees the database gone; the leases and runs it opened are there."""
-    lost: list[str] = []
-    opened = getattr(owner, name)
-
-    def opening(session: Any, *args: Any, **kwargs: Any) -> Any:
-        if not lost:
-            raw = session.connection().connection.dbapi_connection
-            commit = raw.commit
-
-            def committed_then_cut() -> None:
-                commit()
-                lost.append(name)
-                raw.close()
-                raise psycopg.OperationalError("server closed the connection unexpectedly")
-
-            raw.commit = committed_then_cut
-        return opened(session, *args, **kwargs)
-
-    monkeypatch.setattr(owner, name, opening)
-    return lost
-
-
 @pytest.mark.parametrize("path", ["chunk", "one user"])
 def test_leases_taken_by_a_commit_whose_reply_was_lost_are_given_back_at_once(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, path: str
@@ -407,7 +382,7 @@ def test_leases_taken_by_a_commit_whose_reply_was_lost_are_given_back_at_once(
     users = ["lost-1", "lost-2"] if path == "chunk" else ["lost-1"]
     for user in users:
         seed_group(pg_settings, user)
-    lost = _lose_the_reply_of(monkeypatch, dream.runs, "start_runs" if path == "chunk" else "start_run")
+    lost = lose_the_reply_of(monkeypatch, dream.runs, "start_runs" if path == "chunk" else "start_run")
     with pytest.raises(DatabaseUnavailable):
         dream_users(pg_settings, users) if path == "chunk" else dream_user(pg_settings, users[0])
     assert lost, "the reply was never lost"
@@ -432,7 +407,7 @@ def test_an_erasure_whose_lease_commit_lost_its_reply_gives_the_lease_back_and_e
     from worker.errors import DatabaseUnavailable
 
     seed_group(pg_settings, "lost-erased")
-    lost = _lose_the_reply_of(monkeypatch, erase.locks, "acquire")
+    lost = lose_the_reply_of(monkeypatch, erase.locks, "acquire")
     with pytest.raises(DatabaseUnavailable):
         erase_user(pg_settings, "lost-erased", wait_seconds=0)
     assert lost

@@ -351,40 +351,18 @@ def test_signals_claimed_by_a_commit_whose_reply_was_lost_are_given_back_at_once
     # Before: the claims held until their lease ran out (five minutes), the task's
     # retry said "skipped", and an attempt was used for nothing: a signal on its last
     # attempt was buried without ever being applied.
-    import psycopg
-
     from tasks import signals as signal_tasks
+    from tests.lost_replies import lose_the_reply_of
     from worker.errors import DatabaseUnavailable
 
     sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
-    lost: list[int] = []
-    claim = signal_store.claim_signals
-
-    def claimed_then_cut(session: Any, **kwargs: Any) -> Any:
-        claimed = claim(session, **kwargs)
-        if not lost:
-            lost.append(len(claimed))
-            raw = session.connection().connection.dbapi_connection
-            if path == "wake-up":  # the claim's statement has committed on its own
-                raw.close()
-                raise DatabaseUnavailable("postgresql://db", "server closed the connection unexpectedly")
-            commit = raw.commit
-
-            def cut() -> None:
-                commit()
-                raw.close()
-                raise psycopg.OperationalError("server closed the connection unexpectedly")
-
-            raw.commit = cut
-        return claimed
-
-    monkeypatch.setattr(signal_tasks.signal_store, "claim_signals", claimed_then_cut)
+    lost = lose_the_reply_of(monkeypatch, signal_tasks.signal_store, "claim_signals", autocommit=path == "wake-up")
     with pytest.raises(DatabaseUnavailable):
         if path == "wake-up":
             signal_tasks.process_signal(pg_settings, sid)
         else:
             signal_tasks.process_pending(pg_settings)
-    assert lost == [1]
+    assert [len(claimed) for claimed in lost] == [1]
     with session_scope(pg_settings) as session:
         row = session.get(Signal, sid)
         assert row is not None
