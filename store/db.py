@@ -392,8 +392,9 @@ def _is_connect_error(exc: OperationalError) -> bool:
             'database "',
             "server closed the connection",
             "terminating connection",
-            # psycopg's word for a connection that broke before the statement was sent.
-            "the connection is lost",
+            # psycopg's word for a connection that broke before the statement was
+            # sent, and how one lost while it was being set up is reported.
+            LOST_CONNECTION,
         )
     )
 
