@@ -98,6 +98,18 @@ class Service:
         argv = [reverie, "beat", "--schedule", str(self.tmp / "beat-state"), "--loglevel", "INFO"]
         return self._start("beat", wrap(argv), {**self.env, "REVERIE_METRICS_PORT": str(free_port())})
 
+    def stop_warm(self, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> bool:
+        """Stop a worker as an operator does: ``SIGTERM`` to its main process, a warm
+        shutdown that lets the tasks it runs end and starts no new one. Whether it exited
+        within ``timeout``."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def stop_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:

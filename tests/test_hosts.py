@@ -287,7 +287,7 @@ def test_a_worker_host_cut_off_past_its_leases_loses_and_repeats_nothing(
     try:
         beat_proc = service.beat(wrap=beat.argv)
         worker1 = service.worker(wrap=w1.argv)
-        service.worker(wrap=w2.argv)
+        worker2 = service.worker(wrap=w2.argv)
         assert poll(lambda: service.worker_ready(1) and service.worker_ready(2), 120), service.logs()
         producer = Producer(settings, count, seconds)
         producer.start()
@@ -312,15 +312,21 @@ def test_a_worker_host_cut_off_past_its_leases_loses_and_repeats_nothing(
         # unfinished at the end still shows in the figures, as lost.
         poll(lambda: settled(db, sent), 120 + count)
         poll(lambda: dream_tally(db, users, seeded).users_dreamed == len(users), 60)
-        # No more dispatching: what runs now ends, and nothing starts after it.
+        # No more dispatching, and the workers stop as an operator stops them: what they
+        # run ends, and nothing starts after it (a dispatcher tick or a chunk queued before
+        # the beat stopped starts runs after it). A run still running then was left half-done.
         kill_group(beat_proc)
-        poll(lambda: dream_tally(db, users, seeded).half_done == 0, 120)
+        dispatch_stopped = db.value("SELECT timezone('utc', now())")
+        stopped = [service.stop_warm(proc) for proc in (supervisor.worker, worker2)]
         wall = time.monotonic() - began
         result = tally(db, sent)
         left = unfinished(db, sent)
         dreams = dream_tally(db, users, seeded)
         overlaps = overlapping_runs(db)
         lost_leases = db.value("SELECT count(*) FROM dream_runs WHERE status = 'failed' AND error LIKE '%%lease%%'")
+        started_after = db.value("SELECT count(*) FROM dream_runs WHERE started_at > %s", dispatch_stopped)
+        stuck = db.rows("SELECT id, user_id, started_at, trigger FROM dream_runs WHERE status = 'running'")
+        worker_logs = service.logs()
     finally:
         w1.restore()
         service.stop_all()
@@ -338,13 +344,16 @@ def test_a_worker_host_cut_off_past_its_leases_loses_and_repeats_nothing(
         sessions_ended_after_s=f"{sessions_ended_s:.1f}",
         away_s=AWAY_SECONDS,
         w1_exit=supervised,
+        workers_stopped=stopped,
+        runs_started_after_dispatch_stopped=started_after,
         wall_s=f"{wall:.1f}",
     )
     assert cut_open > 0, f"w1 was never cut off mid-transaction: {line}"
     assert left_after == {}, f"the server kept the cut-off host's sessions: {line}"
     assert result.lost == 0 and result.applied_twice == 0, f"{line}\nunfinished: {left}"
     assert result.done + result.rejected == result.sent, line
-    assert dreams.half_done == 0 and overlaps == 0, line
+    assert all(stopped), f"a worker did not finish its tasks and stop: {line}\n{worker_logs}"
+    assert dreams.half_done == 0 and overlaps == 0, f"{line}\n(run, user, started, trigger): {stuck}\n{worker_logs}"
     assert dreams.archived_and_present == 0 and dreams.removed_unarchived == 0, line
     assert dreams.users_dreamed == len(users), line
 
