@@ -43,6 +43,7 @@ SIGNAL_KINDS = ("session_end", "feedback", "activity")
 SIGNAL_STATUSES = ("pending", "processing", "done", "rejected", "failed", "dead")
 RUN_STATUSES = ("running", "succeeded", "failed", "skipped")
 RUN_RUNNING = "status = 'running'"
+EVENT_RESTORE = "action = 'restore'"
 #: Signals whose payload retention may empty: finished for good, payload still there.
 FINISHED_WITH_PAYLOAD = "status IN ('done', 'rejected') AND payload_purged_at IS NULL"
 
@@ -293,6 +294,13 @@ class Event(Base):
         Index("ix_dream_events_run_id", "run_id"),
         Index("ix_dream_events_signal_id", "signal_id"),
         Index("ix_dream_events_at", "at"),
+        Index(
+            "ix_dream_events_restore",
+            "user_id",
+            "entry_id",
+            postgresql_where=text(EVENT_RESTORE),
+            sqlite_where=text(EVENT_RESTORE),
+        ),
     )
 
 
