@@ -305,7 +305,7 @@ def test_a_worker_host_cut_off_past_its_leases_loses_and_repeats_nothing(
         )
         w1.restore()
         sent = producer.finish(seconds + 120)
-        supervisor = Supervisor(service, worker1)
+        supervisor = Supervisor(service, worker1, 1, wrap=w1.argv)
         supervisor.check()
         supervised = ",".join(f"{why}:{n}" for why, n in sorted(supervisor.exits.items())) or "none"
         # Generous: on a loaded machine the backlog drains slowly; what is left

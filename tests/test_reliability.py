@@ -35,7 +35,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from store.db import build_engine, closing_transaction
-from tests.processes import Db, RedisServer, Service, kill_group, session_end_payload
+from tests.processes import Db, RedisServer, Service, Wrap, kill_group, session_end_payload
 from worker.errors import DatabaseUnavailable
 from worker.producer import enqueue_signal
 from worker.settings import Settings
@@ -341,15 +341,20 @@ class Supervisor:
 
     service: Service
     worker: Any
+    #: The worker's number among the service's (its log is ``worker<number>.log``).
+    number: int
+    #: How the worker is started (on another host: in its network namespace).
+    wrap: Wrap | None = None
     exits: dict[str, int] = field(default_factory=dict)
 
     def check(self) -> None:
         if self.worker.poll() is None:
             return
-        log = (self.service.tmp / f"worker{self.service.count}.log").read_text(errors="replace")
+        log = (self.service.tmp / f"worker{self.number}.log").read_text(errors="replace")
         why = "kombu" if all(part in log for part in KOMBU_LOST_CONNECTION) else "other"
         self.exits[why] = self.exits.get(why, 0) + 1
-        self.worker = self.service.worker()
+        self.worker = self.service.worker(wrap=self.wrap) if self.wrap else self.service.worker()
+        self.number = self.service.count
 
     @property
     def total(self) -> int:
@@ -381,7 +386,7 @@ def test_a_restarted_broker_loses_nothing_and_the_worker_reconnects_by_itself(
     began = time.monotonic()
     try:
         service.beat()
-        supervisor = Supervisor(service, service.worker())
+        supervisor = Supervisor(service, service.worker(), service.count)
         producer = Producer(producer_settings, count, seconds)
         producer.start()
         gap = (seconds - restarts * outage) / (restarts + 1)
