@@ -166,8 +166,10 @@ def process_signal(settings: Settings, signal_id: int) -> str:
     """
     buried: list[tuple[int, str]] = []
     token = signal_store.new_claim_token()
+    connected = False
     try:
         with _statement_scope(settings) as session:
+            connected = True  # from here on, the claim may commit whatever the client hears
             # One statement before the work: the claim reads the payloads, and buries the
             # signal if it is out of attempts with an expired lease (the sweeper's wake-up
             # for such a row lands here, so burying on this path finds every one in time).
@@ -187,8 +189,10 @@ def process_signal(settings: Settings, signal_id: int) -> str:
         # The claim commits as it runs: one whose reply was lost would hold its signals
         # until their lease runs out, an attempt used for nothing (the last one buries
         # a signal never applied). Given back at once; where nothing was claimed, the
-        # token matches nothing. Briefly: the wake-up is retried anyway.
-        give_back(settings, partial(signal_store.unclaim, token=token), within=CLAIM_GIVE_BACK_SECONDS)
+        # token matches nothing. Briefly: the wake-up is retried anyway. Not where the
+        # connection could not be made: nothing was sent, and the retry's backoff waits.
+        if connected:
+            give_back(settings, partial(signal_store.unclaim, token=token), within=CLAIM_GIVE_BACK_SECONDS)
         raise
     _report_buried(buried)
     outcome = "skipped"

@@ -376,3 +376,23 @@ def test_signals_claimed_by_a_commit_whose_reply_was_lost_are_given_back_at_once
         row = session.get(Signal, sid)
         assert row is not None
         assert (row.status, row.attempts) == ("done", 1)
+
+
+def test_a_wake_up_that_cannot_reach_the_database_gives_nothing_back_and_fails_at_once(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A connection never made sent no claim: there is nothing to give back, and trying
+    # for seconds would only hold the worker's slot (and log a commit that never was)
+    # while the database is down, where the task's retry backs off by itself.
+    from tasks import signals as signal_tasks
+    from tests.processes import free_port
+    from worker.errors import DatabaseUnavailable
+
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    down = pg_settings.model_copy(update={"database_url": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/x"})
+    tried: list[object] = []
+    monkeypatch.setattr(signal_tasks, "give_back", lambda *args, **kwargs: tried.append(args))
+    with pytest.raises(DatabaseUnavailable):
+        signal_tasks.process_signal(down, sid)
+    assert tried == []
+    assert signal_row(pg_settings, sid).status == "pending"
