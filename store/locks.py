@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from sqlalchemy import delete, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -19,14 +20,30 @@ from store.models import UserState
 from store.types import db_now
 
 
+class Taken(NamedTuple):
+    """What :func:`take` did: whether it took the lease, and whether it made the user's
+    state row to do so (the user had none)."""
+
+    taken: bool
+    made_row: bool
+
+
 def acquire(session: Session, user_id: str, token: str, ttl: timedelta) -> bool:
     """Take the user's lease for ``ttl`` unless someone else holds a live one."""
+    return take(session, user_id, token, ttl).taken
+
+
+def take(session: Session, user_id: str, token: str, ttl: timedelta) -> Taken:
+    """:func:`acquire`, saying also whether this transaction made the user's state row:
+    for a caller that must tell that row from one the user had (an erasure)."""
     at = db_now(session)
-    values = {"user_id": user_id, "next_dream_at": at}
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(pg_insert(UserState).values(**values).on_conflict_do_nothing())
-    else:
-        session.execute(sqlite_insert(UserState).values(**values).on_conflict_do_nothing())
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    made = session.execute(
+        insert(UserState)
+        .values(user_id=user_id, next_dream_at=at)
+        .on_conflict_do_nothing()
+        .returning(UserState.user_id)
+    ).first()
     taken = session.execute(
         update(UserState)
         .where(
@@ -36,7 +53,7 @@ def acquire(session: Session, user_id: str, token: str, ttl: timedelta) -> bool:
         .values(locked_until=at + ttl, lock_token=token)
         .returning(UserState.user_id)
     ).first()
-    return taken is not None
+    return Taken(taken is not None, made is not None)
 
 
 def renew(session: Session, user_id: str, token: str, ttl: timedelta) -> bool:

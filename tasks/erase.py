@@ -75,16 +75,17 @@ def lease_wait(settings: Settings) -> float:
 
 @dataclass
 class _Taking:
-    """An erasure's lease being taken: its token, and whether the user had a schedule
-    row before (taking the lease makes one; None: not looked at yet)."""
+    """An erasure's lease being taken: its token, and whether the transaction taking it
+    made the user's schedule row (the user had none)."""
 
     user_id: str
     token: str = field(default_factory=lambda: str(uuid.uuid4()))
-    had_schedule: bool | None = None
+    made_row: bool = False
 
     def give_back(self, session: Session) -> None:
-        """Give the lease back after a commit whose reply was lost, with the row it made."""
-        if self.had_schedule is False:
+        """Give the lease back after a commit whose reply was lost, with the row it made
+        (a row someone else made meanwhile, a dream run's, stays)."""
+        if self.made_row:
             locks.forget(session, self.user_id, self.token)
         else:
             locks.release(session, self.user_id, self.token)
@@ -101,10 +102,12 @@ def _take_lease(settings: Settings, user_id: str, deadline: float) -> tuple[str,
         # erasure's retry would otherwise wait out its own lease (and count the row
         # this lease made as the user's).
         with committing(settings, taking.give_back) as session:
-            if taking.had_schedule is None:
-                taking.had_schedule = session.get(UserState, user_id) is not None
-            if locks.acquire(session, user_id, taking.token, ERASE_LEASE):
-                return taking.token, taking.had_schedule
+            # Whether the row is the lease's own is told by the statement that takes it:
+            # a dream run may make the row while the erasure waits.
+            took = locks.take(session, user_id, taking.token, ERASE_LEASE)
+            taking.made_row = took.made_row
+            if took.taken:
+                return taking.token, not took.made_row
         if time.monotonic() >= deadline:
             raise UserBusy(user_ref(user_id, settings.log_hash_key))
         if not logged:

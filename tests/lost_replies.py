@@ -12,20 +12,23 @@ import pytest
 from worker.errors import DatabaseUnavailable
 
 
-def lose_the_reply_of(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, *, autocommit: bool = False) -> list[Any]:
-    """The first call of ``owner.<name>(session, ...)`` runs, and the reply to the
-    ``COMMIT`` of its transaction never comes back (``autocommit``: its statement has
-    committed on its own, and the reply to the statement is what is lost). Returns the
-    list of what those calls returned, appended once the reply is lost."""
+def lose_the_reply_of(
+    monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, *, autocommit: bool = False, after: int = 0
+) -> list[Any]:
+    """The first call of ``owner.<name>(session, ...)`` (after the first ``after`` calls)
+    runs, and the reply to the ``COMMIT`` of its transaction never comes back
+    (``autocommit``: its statement has committed on its own, and the reply to the
+    statement is what is lost). Returns the list of what those calls returned, appended
+    once the reply is lost."""
     lost: list[Any] = []
     called = getattr(owner, name)
-    armed = [True]
+    calls = [0]
 
     def losing(session: Any, *args: Any, **kwargs: Any) -> Any:
         returned = called(session, *args, **kwargs)
-        if not armed:
+        calls[0] += 1
+        if calls[0] != after + 1:
             return returned
-        armed.clear()
         raw = session.connection().connection.dbapi_connection
         if autocommit:
             lost.append(returned)

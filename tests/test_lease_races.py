@@ -27,7 +27,7 @@ from sqlalchemy import select
 from store.db import dispose_engines, session_scope
 from store.erase import rows_about
 from store.memories import table_for
-from store.models import ArchivedEntry, Run, Signal
+from store.models import ArchivedEntry, Run, Signal, UserState
 from tasks import dream, erase
 from tasks.dream import dream_user, dream_users
 from tasks.erase import erase_user
@@ -407,7 +407,7 @@ def test_an_erasure_whose_lease_commit_lost_its_reply_gives_the_lease_back_and_e
     from worker.errors import DatabaseUnavailable
 
     seed_group(pg_settings, "lost-erased")
-    lost = lose_the_reply_of(monkeypatch, erase.locks, "acquire")
+    lost = lose_the_reply_of(monkeypatch, erase.locks, "take")
     with pytest.raises(DatabaseUnavailable):
         erase_user(pg_settings, "lost-erased", wait_seconds=0)
     assert lost
@@ -417,3 +417,43 @@ def test_an_erasure_whose_lease_commit_lost_its_reply_gives_the_lease_back_and_e
     nothing_left(pg_settings, "lost-erased")
     seed_group(pg_settings, "never-lost")
     assert counts == erase_user(pg_settings, "never-lost", wait_seconds=0)
+
+
+def test_an_erasure_whose_lease_commit_lost_its_reply_keeps_the_schedule_row_a_dream_run_made_meanwhile(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A user with no schedule row: a dream run takes them (making the row) just as the
+    # erasure goes for the lease, and finishes while the erasure waits; the erasure then
+    # takes the lease by a commit whose reply is lost. Giving that lease back must not
+    # remove the run's row: the erasure failed, and a failed erasure erases nothing.
+    from worker.errors import DatabaseUnavailable
+
+    seed_group(pg_settings, "raced")
+    with session_scope(pg_settings) as session:
+        before = rows_about(session, pg_settings, "raced")
+    take = erase.locks.take
+    tries: list[bool] = []
+
+    def a_dream_run_meanwhile(session: Any, user_id: str, token: str, ttl: timedelta) -> Any:
+        if not tries:
+            with session_scope(pg_settings) as other:
+                assert take(other, user_id, "a dream run", timedelta(minutes=5)).made_row
+        took = take(session, user_id, token, ttl)
+        if not tries:
+            with session_scope(pg_settings) as other:
+                erase.locks.release(other, user_id, "a dream run")
+        tries.append(took.taken)
+        return took
+
+    monkeypatch.setattr(erase.locks, "take", a_dream_run_meanwhile)
+    lost = lose_the_reply_of(monkeypatch, erase.locks, "take", after=1)
+    with pytest.raises(DatabaseUnavailable):
+        erase_user(pg_settings, "raced", wait_seconds=30)
+    assert tries == [False, True] and len(lost) == 1
+    with session_scope(pg_settings) as session:
+        row = session.get(UserState, "raced")
+        assert row is not None, "the give-back removed the schedule row the dream run made"
+        assert row.lock_token is None
+        after = rows_about(session, pg_settings, "raced")
+    # Nothing else was erased either: the memory rows, and the row the run made.
+    assert after == {**before, UserState.__tablename__: 1}
