@@ -433,3 +433,109 @@ def test_a_postgresql_older_than_served_stops_run_and_health_in_one_line(
             assert out == ""
     finally:
         get_settings.cache_clear()
+
+
+# -- what a newcomer tried: refused before any work, or said plainly after it ---------------
+
+ACTIVITY = json.dumps({"events": [{"action": "digest", "at": "2026-11-02T09:00:00Z"}]})
+
+
+def _runs(settings: Settings) -> int:
+    from sqlalchemy import func, select
+
+    from store.db import session_scope
+    from store.models import Run
+
+    with session_scope(settings) as session:
+        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+
+
+@pytest.mark.parametrize("target", ["missing-dir/reverie.prom", "."], ids=["no directory", "a directory"])
+def test_run_refuses_a_metrics_textfile_it_cannot_write_before_the_pass(
+    pg_settings: Settings, tmp_path: Path, target: str
+) -> None:
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
+    assert run(["enqueue", "activity", "--user", "u1", "--payload", "-"], env=env, stdin=ACTIVITY).returncode == 0
+    result = run(["run", "--user", "u1", "--json", "--metrics-textfile", str(tmp_path / target)], env=env)
+    assert result.returncode == 2
+    assert_one_line_error(result, "--metrics-textfile")
+    # Nothing was done: the pass the file was for did not run.
+    assert _runs(pg_settings) == 0
+    assert json.loads(run(["signals", "list", "--json"], env=env).stdout)["status"] == "pending"
+
+
+def test_run_whose_metrics_cannot_be_written_after_the_pass_prints_its_summary_and_says_so(
+    pg_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A disk that fills during the pass: the pass is committed, its summary (and run ids,
+    # which cron keeps) printed; the one error line names the metrics file.
+    from typer.testing import CliRunner
+
+    from worker import metrics_textfile
+    from worker.cli import app
+    from worker.settings import get_settings
+
+    def full(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metrics_textfile, "write_textfile", full)
+    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(
+            app, ["run", "--user", "u1", "--json", "--metrics-textfile", str(tmp_path / "r.prom")]
+        )
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 1
+    summary = json.loads(result.stdout.splitlines()[0])
+    assert summary["users_processed"] == 1 and len(summary["run_ids"]) == 1
+    assert "its metrics were not written to" in result.stderr and "No space left on device" in result.stderr
+    assert _runs(pg_settings) == 1
+
+
+def test_run_refuses_an_empty_user(pg_settings: Settings) -> None:
+    result = run(["run", "--user", ""], env={"REVERIE_DATABASE_URL": pg_settings.database_url})
+    assert result.returncode == 1
+    assert_one_line_error(result, "--user: must not be empty")
+    assert _runs(pg_settings) == 0
+
+
+def test_a_broker_url_that_is_not_redis_is_refused_before_a_signal_is_written(pg_settings: Settings) -> None:
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": "bogus://"}
+    result = run(["enqueue", "activity", "--user", "u1", "--payload", "-"], env=env, stdin=ACTIVITY)
+    assert result.returncode == 1
+    assert_one_line_error(result, "REVERIE_BROKER_URL", "redis://")
+    listed = run(["signals", "list", "--json"], env={"REVERIE_DATABASE_URL": pg_settings.database_url})
+    assert listed.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("agent", ["*", ""])
+def test_policy_set_refuses_the_defaults_row_and_an_empty_agent(pg_settings: Settings, agent: str) -> None:
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
+    result = run(["policy", "set", agent, "enabled=false"], env=env)
+    assert result.returncode == 2
+    assert_one_line_error(result, "agent" if agent == "" else "'*' is not an agent")
+    shown = json.loads(run(["policy", "show"], env=env).stdout)
+    assert set(shown) == {"*"} and shown["*"]["enabled"] is True
+
+
+def test_health_fails_when_the_memory_table_it_is_set_to_does_not_exist(pg_settings: Settings) -> None:
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_MEMORY_TABLE": "othertable"}
+    result = run(["health"], env=env)
+    assert result.returncode == 1
+    assert_one_line_error(result, "othertable does not exist", "REVERIE_MEMORY_TABLE")
+    assert run(["health"], env={"REVERIE_DATABASE_URL": pg_settings.database_url}).returncode == 0
+
+
+def test_retry_all_dead_with_none_says_nothing_changed(pg_settings: Settings) -> None:
+    result = run(["signals", "retry", "--all-dead"], env={"REVERIE_DATABASE_URL": pg_settings.database_url})
+    assert result.returncode == 0
+    assert result.stdout.strip() == "no dead signal; nothing changed"
+
+
+@pytest.mark.parametrize("path", [".", "missing-dir/demo.db"], ids=["a directory", "no directory"])
+def test_demo_refuses_a_path_it_cannot_create(tmp_path: Path, path: str) -> None:
+    result = run(["demo", "--path", path], cwd=tmp_path)
+    assert result.returncode == 2
+    assert_one_line_error(result, "--path")

@@ -91,3 +91,22 @@ def test_demo_prints_each_user_beside_the_reference_its_log_lines_use(tmp_path: 
     # The demo's own output pairs each user with that reference, on one row.
     for user, ref in expected.items():
         assert any(re.search(rf"\b{user}\b.*\b{ref}\b", line) for line in printed), (user, ref)
+
+
+def test_the_demo_runs_the_same_whatever_reverie_settings_the_shell_has(tmp_path: Path) -> None:
+    # A shell set up for production: the demo's store, model, broker and figures are its own.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    env.update(
+        {
+            "REVERIE_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/production",
+            "REVERIE_LLM_MODEL": "gpt-4o",
+            "REVERIE_PRUNE_STALE_AFTER_DAYS": "0",
+            "REVERIE_MAX_COST_PER_RUN": "not-a-number",
+            "REVERIE_LOG_FORMAT": "bogus",
+            "NO_PROXY": "*",
+            "COLUMNS": "200",
+        }
+    )
+    result = _reverie(["demo"], tmp_path, env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pass: users 3, pruned 3, contradictions 2" in " ".join(result.stdout.split())

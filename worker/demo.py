@@ -13,10 +13,12 @@ through the same redacting formatter as the worker's.
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO, cast
 
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 from rich.console import Console
 from rich.table import Table
 
@@ -33,14 +35,29 @@ from worker.profiles_reader import PromptProfile, get_for_prompt
 from worker.settings import Settings
 
 
+class _DemoSettings(Settings):
+    """The defaults and the demo's own values only: whatever REVERIE_* or ``.env`` say,
+    the demo runs the same everywhere, on its embedded store, model and broker. Only the
+    log hash key is taken from ``REVERIE_LOG_HASH_KEY``: the key its log lines name users
+    with is the operator's."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
 def demo_settings(path: Path) -> Settings:
-    # Whatever REVERIE_* or .env say, the demo's store, model and broker are embedded.
-    return Settings(
-        _env_file=None,
-        database_url=f"sqlite:///{path.resolve()}",
-        llm_model="offline",
-        broker_url="",
-    )
+    own: dict[str, Any] = {"database_url": f"sqlite:///{path.resolve()}", "llm_model": "offline", "broker_url": ""}
+    if os.environ.get("REVERIE_LOG_HASH_KEY"):
+        own["log_hash_key"] = os.environ["REVERIE_LOG_HASH_KEY"]
+    return _DemoSettings(**own)
 
 
 def run_demo(path: Path, console: Console | None = None) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import worker.metrics  # noqa: F401
 from worker.metrics_server import initialise_label_sets
 
-__all__ = ["render", "write_textfile"]
+__all__ = ["render", "unwritable", "write_textfile"]
 
 PREFIX = "dream_"
 #: Families whose samples only grow; ``_created`` is when the series began, kept from the first run.
@@ -63,6 +63,19 @@ def render(source: CollectorRegistry = REGISTRY) -> bytes:
     registry.register(_ReverieFamilies(source))
     data: bytes = generate_latest(registry)
     return data
+
+
+def unwritable(path: Path) -> str | None:
+    """Why :func:`write_textfile` cannot write ``path`` (checked before any work is done,
+    so a pass is not run for a file it cannot report to); None if it can."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a directory, not a file"
+    if not path.parent.is_dir():
+        return f"its directory {path.parent} does not exist"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"its directory {path.parent} is not writable"
+    return None
 
 
 def write_textfile(path: Path, source: CollectorRegistry = REGISTRY, *, model: str | None = None) -> None:

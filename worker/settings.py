@@ -202,6 +202,16 @@ class Settings(BaseSettings):
             raise ValueError(f"{name!r} is one of the memory table's own columns, not a last-access column")
         return name
 
+    @field_validator("broker_url")
+    @classmethod
+    def _a_redis_broker(cls, url: str) -> str:
+        # Wake-ups go through Celery and the sweeper marks them in the broker's Redis:
+        # another transport would fail only at the first send, after a signal is written.
+        url = url.strip()
+        if url and url.split("://", 1)[0].lower() not in ("redis", "rediss"):
+            raise ValueError("must be a redis:// or rediss:// URL, or empty for no broker")
+        return url
+
     @field_validator("database_url")
     @classmethod
     def _normalise_driver(cls, url: str) -> str:

@@ -35,6 +35,20 @@ def run(
 
     if user and all_users:
         fail("--user and --all exclude each other", code=2)
+    from worker.errors import InvalidSignal
+    from worker.payloads import check_identifier
+
+    try:
+        for name in user or ():
+            check_identifier("--user", name, required=True)
+    except InvalidSignal as exc:
+        fail(str(exc))
+    if metrics_textfile is not None:
+        from worker.metrics_textfile import unwritable
+
+        why = unwritable(metrics_textfile)
+        if why is not None:
+            fail(f"--metrics-textfile {metrics_textfile}: {why}", code=2)
     from worker.logs import warn_if_public_hash_key
 
     settings = load_settings()  # logging to stderr too: --json output stays one JSON object
@@ -56,18 +70,22 @@ def run(
             )
     else:
         report = run_once(settings, users=user or (), all_users=all_users)
+    data = report.as_dict()
+    if as_json:
+        print(json.dumps(data, sort_keys=True), flush=True)
+    else:
+        _print_report(data)
     if metrics_textfile is not None:
         from worker.metrics_server import refresh_pending_gauge
         from worker.metrics_textfile import write_textfile
 
         # The queue gauges as the database has them now, as the worker's page shows them.
         refresh_pending_gauge(settings)
-        write_textfile(metrics_textfile, model=settings.llm_model)
-    data = report.as_dict()
-    if as_json:
-        print(json.dumps(data, sort_keys=True))
-    else:
-        _print_report(data)
+        try:
+            write_textfile(metrics_textfile, model=settings.llm_model)
+        except OSError as exc:
+            # The pass is committed and its summary printed: say what did not happen.
+            fail(f"the pass is done, but its metrics were not written to {metrics_textfile}: {exc.strerror or exc}")
     if report.users_failed:
         raise typer.Exit(1)
 
@@ -149,13 +167,18 @@ def policy_set(
     """Set fields of an agent's dream policy; unset fields keep the defaults."""
     from store import policies
     from store.db import session_scope
-    from worker.errors import ConfigError
+    from worker.errors import ConfigError, InvalidSignal
+    from worker.payloads import check_identifier
     from worker.policy import effective, parse_assignments
 
     try:
+        check_identifier("agent", agent, required=True)
         changes = parse_assignments(assignments)
-    except ConfigError as exc:
+    except (ConfigError, InvalidSignal) as exc:
         fail(str(exc), code=2)
+    if agent == "*":
+        # Where `policy show` lists the defaults; they come from the REVERIE_* settings.
+        fail("'*' is not an agent: the defaults are the REVERIE_* settings (see reverie policy show)", code=2)
     settings = load_settings()
     with session_scope(settings) as session:
         stored = policies.merge_config(session, agent, changes)

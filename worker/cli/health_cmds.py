@@ -20,7 +20,7 @@ def health(
 ) -> None:
     """Exit 0 when the database answers and is at the current schema (and, as asked,
     the broker answers and /metrics is served); otherwise one line and exit 1."""
-    from store.db import check_connection, safe_url
+    from store.db import check_connection, has_table, safe_url
     from store.memories import check_memory_table
     from store.migrate import current_revision, head_revision
 
@@ -30,6 +30,12 @@ def health(
     if revision != head:
         where = safe_url(settings.database_url)
         fail(f"database {where} is at revision {revision or 'none'}, not {head}: run reverie migrate")
+    if not has_table(settings, settings.memory_table):
+        # Migrated, and still no work could run: REVERIE_MEMORY_TABLE names another table.
+        fail(
+            f"the memory table {settings.memory_table} does not exist: set REVERIE_MEMORY_TABLE to the "
+            "memory table's name, or run reverie migrate to create it"
+        )
     check_memory_table(settings)
     checked = [f"database at revision {head}"]
     if broker:

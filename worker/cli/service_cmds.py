@@ -43,7 +43,8 @@ def worker(
     ] = None,
     loglevel: Annotated[str | None, typer.Option("--loglevel", "-l", help="Default REVERIE_LOG_LEVEL.")] = None,
 ) -> None:
-    """Run the Celery worker (the same as `celery -A worker.app worker`)."""
+    """Run the Celery worker (the same as `celery -A worker.app worker`). Arguments after
+    `--` go to Celery: `reverie worker -- --pool solo`."""
     from worker.metrics_server import prepare_multiprocess_dir
 
     settings = load_settings()

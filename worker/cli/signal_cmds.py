@@ -125,4 +125,7 @@ def retry(
         ids = signal_store.retry_signals(session, signal_id=signal_id, all_dead=all_dead)
     if signal_id is not None and not ids:
         fail(f"signal {signal_id} is not dead or failed (or does not exist); nothing changed")
+    if not ids:
+        print("no dead signal; nothing changed")
+        return
     print(f"put back {len(ids)} signal(s): {', '.join(map(str, ids[:20]))}{' ...' if len(ids) > 20 else ''}")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.common import app, load_settings
+from worker.cli.common import app, fail, load_settings
 
 
 @app.command()
@@ -38,5 +38,10 @@ def demo(
 ) -> None:
     """Run the whole pipeline once on an embedded SQLite store: no broker, no network."""
     from worker.demo import run_demo
+
+    if path.is_dir():
+        fail(f"--path {path}: is a directory; give the name of the file to create", code=2)
+    if not path.resolve().parent.is_dir():
+        fail(f"--path {path}: its directory does not exist", code=2)
 
     run_demo(path)
