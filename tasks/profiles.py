@@ -182,6 +182,11 @@ def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: lis
         if whole is not None:
             # Every line fits in one counting window: the text's count is its parts'.
             return Built(whole[0], whole[1], budget, total, 0, layout)
+    if fmt.lines_fit(layout, total, budget):
+        # Every line, if its estimate fits: what the cut would keep, its text made once.
+        text, tokens = _counted(lines, total, total, headers, count=count, by_lines=by_lines)
+        if tokens <= budget and fmt.estimate_of(layout, total, text) <= budget:
+            return Built(text, tokens, budget, total, 0, layout)
     kept = fmt.cut(layout, budget)
     text, tokens = _counted(lines, kept, total, headers, count=count, by_lines=by_lines)
     while tokens > budget and kept > 0:

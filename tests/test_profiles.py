@@ -188,6 +188,37 @@ def test_budget_is_never_exceeded_and_a_smaller_read_cuts_as_the_builder(
     assert count(reader_text) <= low
 
 
+@pytest.mark.parametrize(
+    "word", ["telecommunications", "internationalization", "Donaudampfschifffahrt", "1234567890", "東京都"]
+)
+def test_a_smaller_read_stays_within_its_budget_where_a_counting_window_cuts_a_long_word(word: str) -> None:
+    # The count is made over 1,024-character windows: a window's edge inside a word
+    # counts the word's pieces, which can take several tokens more than the word. Every
+    # budget from 50 to 700 is read from the stored counts alone, and counted for real.
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+
+    def count(text: str) -> int:
+        return llm.count_text_tokens(settings, text) if text else 0
+
+    rows = _rows([(f"k{i:02d}", " ".join([word] * 5), "fact", i, 0, False) for i in range(40)])
+    built = profiles.build(rows, 2000, count)
+    layout = Layout.from_json(json.loads(json.dumps(built.layout.to_json())))
+    over = []
+    for low in range(50, 700):
+        kept = cut(layout, low)
+        text = assemble(layout.lines[:kept], layout.total - kept) if estimate(layout, kept) <= low else ""
+        if count(text) > low:
+            over.append((low, kept, count(text)))
+    assert over == []
+    # And the reader keeps what a build at that budget keeps.
+    for low in (120, 333, 650):
+        kept = cut(layout, low)
+        assert (kept, assemble(layout.lines[:kept], layout.total - kept)) == (
+            profiles.build(rows, low, count).included,
+            profiles.build(rows, low, count).text,
+        )
+
+
 def test_smaller_budget_read_from_the_database(pg_settings: Settings) -> None:
     rows = [
         entry("u1", f"fact_{i:03d}", f"value number {i} " * 3, visibility="global", age_days=1 + i / 100)
@@ -1399,3 +1430,25 @@ def test_a_host_timestamptz_column_ranks_on_the_python_path_as_in_sql(
             session.execute(sql_text(f'ALTER DATABASE "{database}" RESET timezone'))
             session.execute(sql_text("ALTER TABLE usermemories DROP COLUMN last_accessed_at"))
         dispose_engines()
+
+
+def test_a_value_nested_deeper_than_python_reads_costs_no_other_user_their_profile(pg_settings: Settings) -> None:
+    # One user's value, written by the application, nested 3,000 deep: JSON that
+    # Python's reader gives up on. The users of the same chunk still get their profiles.
+    seed(
+        pg_settings,
+        [
+            entry("u1", "home_city", "Lisbon", visibility="global", agent=None),
+            entry("u2", "nested", "x", visibility="global", agent=None),
+        ],
+    )
+    with session_scope(pg_settings) as session:
+        session.execute(
+            sql_text(
+                f"UPDATE {table_for(pg_settings).name} "
+                "SET value = CAST(repeat('[', 3000) || repeat(']', 3000) AS jsonb) WHERE user_id = 'u2'"
+            )
+        )
+    dream_users(pg_settings, ["u1", "u2"])
+    assert "- home city: Lisbon" in get_for_prompt("u1", settings=pg_settings).text
+    assert fmt_value_text(json.loads("[" * 500 + "]" * 500)).startswith("[[[")

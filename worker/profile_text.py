@@ -5,7 +5,7 @@ A profile is Markdown: fixed sections in a fixed order, one line per entry, and 
 line saying how many entries were left out. Entries arrive ranked (most important
 first); a cut keeps the longest prefix of that ranking whose estimated tokens fit the
 budget, so a reader holding the stored lines and counts cuts exactly as the builder
-would at that budget.
+would at that budget. The estimate is an upper bound of the count (see :func:`edge_slack`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ SECTIONS = ("About the user", "Preferences", "Work", "Context", "Follow-ups")
 ABOUT, PREFERENCES, WORK, CONTEXT, FOLLOW_UPS = range(len(SECTIONS))
 MAX_KEY_CHARS = 60
 MAX_VALUE_CHARS = 200
-#: litellm counts long texts in windows of this many characters; a window boundary
-#: can split a token, so each one is allowed this many extra tokens.
+#: What a line shows of a value nested deeper than Python can write out.
+NESTED_TOO_DEEP = "(a value nested too deep to show)"
+#: litellm counts long texts in windows of this many characters; a window's edge can
+#: cut a word, whose pieces may take more tokens than the word (see :func:`edge_slack`).
 COUNT_WINDOW_CHARS = 1024
-WINDOW_SLACK_TOKENS = 2
 
 _FOLLOW_UP_WORDS = frozenset({"followup", "follow", "todo", "reminder", "remind", "task", "deadline", "pending", "due"})
 _WORK_WORDS = frozenset(
@@ -122,7 +123,10 @@ def value_text(value: Any) -> str:
     """A JSON value as the line shows it: a string plainly, anything else compactly."""
     if isinstance(value, str):
         return _plain(value, MAX_VALUE_CHARS)
-    return _plain(json.dumps(value, ensure_ascii=False, separators=(",", ":")), MAX_VALUE_CHARS)
+    try:
+        return _plain(json.dumps(value, ensure_ascii=False, separators=(",", ":")), MAX_VALUE_CHARS)
+    except RecursionError:
+        return NESTED_TOO_DEEP
 
 
 def json_value_text(raw: str | None) -> str:
@@ -135,7 +139,8 @@ def json_value_text(raw: str | None) -> str:
         return _plain(raw[1:-1], MAX_VALUE_CHARS)
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
+        # Not JSON, or nested deeper than Python reads: shown as the database gave it.
         return _plain(raw, MAX_VALUE_CHARS)
     return value_text(value)
 
@@ -262,44 +267,86 @@ def windowed_tokens(
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
-def estimate(layout: Layout, kept: int) -> int:
-    """Tokens of the profile holding the first ``kept`` lines: lines, headers, the
-    left-out line, and a slack per counting window (an upper bound of the count)."""
+def edge_slack(text: str, window: int = COUNT_WINDOW_CHARS) -> int:
+    """An upper bound of the tokens a counter that counts each ``window`` characters on
+    its own gives ``text`` beyond the sum of its lines' counts.
+
+    Only the pieces of text around each window's edge are counted otherwise than in the
+    whole: the words the edge cuts, with the spaces beside them (a word's piece may take
+    a leading space, and spaces their trailing newlines). Cut in two, such a stretch
+    takes at most one token per byte, where it took at least one: at most its bytes less
+    one more. An edge between two lines cuts nothing (a line starts with a non-space, and
+    no piece runs from a newline into it)."""
+    slack = 0
+    for edge in range(window, len(text), window):
+        if text[edge - 1] == "\n" and not text[edge].isspace():
+            continue
+        start = _word_start(text, edge)
+        while start > 0 and text[start - 1].isspace() and text[start - 1] != "\n":
+            start -= 1
+        end = _word_end(text, edge)
+        while end < len(text) and text[end].isspace():
+            end += 1
+        end = _word_end(text, end)
+        slack += len(text[start:end].encode()) - 1
+    return slack
+
+
+def _word_start(text: str, at: int) -> int:
+    while at > 0 and not text[at - 1].isspace():
+        at -= 1
+    return at
+
+
+def _word_end(text: str, at: int) -> int:
+    while at < len(text) and not text[at].isspace():
+        at += 1
+    return at
+
+
+def _prefix_tokens(layout: Layout, kept: int) -> int:
+    """The tokens of the first ``kept`` lines, their headers and the left-out line, each
+    counted on its own: the count of their text where no counting window cuts it."""
     lines = layout.lines[:kept]
-    sections = {line.section for line in lines}
-    tokens = sum(line.tokens for line in lines) + sum(layout.header_tokens[s] for s in sections)
-    if kept < layout.total:
-        tokens += layout.left_out_tokens
-    chars = len(assemble(lines, layout.total - kept))
-    return tokens + WINDOW_SLACK_TOKENS * (chars // COUNT_WINDOW_CHARS)
+    sections = set(map(_SECTION, lines))
+    tokens: int = sum(map(_TOKENS, lines)) + sum(layout.header_tokens[s] for s in sections)
+    return tokens + (layout.left_out_tokens if kept < layout.total else 0)
+
+
+def estimate(layout: Layout, kept: int) -> int:
+    """Tokens of the profile holding the first ``kept`` lines: an upper bound of the
+    count, exact where the text fits one counting window."""
+    return estimate_of(layout, kept, assemble(layout.lines[:kept], layout.total - kept))
+
+
+def estimate_of(layout: Layout, kept: int, text: str) -> int:
+    """:func:`estimate`, given the text of the first ``kept`` lines (:func:`assemble`'s)."""
+    return _prefix_tokens(layout, kept) + edge_slack(text)
 
 
 def cut(layout: Layout, budget: int) -> int:
-    """How many of the ranked lines fit ``budget``: the largest prefix that does (its
-    :func:`estimate` at most ``budget``), every prefix's estimate taken in one pass."""
+    """How many of the ranked lines fit ``budget``: the largest prefix whose
+    :func:`estimate` is at most ``budget``. Prefixes whose lines alone are over it are
+    not looked at; of the others, the longest are tried first."""
     lines = layout.lines
-    if _fits_whole(layout, budget):
-        return len(lines)
-    best = tokens = chars = 0
+    tokens = 0
     sections: set[int] = set()
+    fitting = 0  # the longest prefix whose lines, headers and left-out line fit alone
     for kept in range(len(lines) + 1):
         if kept:
             line = lines[kept - 1]
             tokens += line.tokens
-            chars += len(line.text)
             if line.section not in sections:
                 sections.add(line.section)
                 tokens += layout.header_tokens[line.section]
-                chars += len(_HEADER_LINES[line.section])
         if tokens > budget:
             break  # every longer prefix holds these tokens and more
-        total_tokens, total_chars = tokens, chars
-        if kept < layout.total:
-            total_tokens += layout.left_out_tokens
-            total_chars += len(left_out_line(layout.total - kept))
-        if total_tokens + WINDOW_SLACK_TOKENS * (total_chars // COUNT_WINDOW_CHARS) <= budget:
-            best = kept
-    return best
+        if tokens + (layout.left_out_tokens if kept < layout.total else 0) <= budget:
+            fitting = kept
+    for kept in range(fitting, 0, -1):
+        if estimate(layout, kept) <= budget:
+            return kept
+    return 0
 
 
 def whole_if_fits(layout: Layout, budget: int, count: Callable[[str], int]) -> tuple[str, int] | None:
@@ -317,15 +364,7 @@ def whole_if_fits(layout: Layout, budget: int, count: Callable[[str], int]) -> t
     return (text, tokens) if len(text) <= COUNT_WINDOW_CHARS else None
 
 
-def _fits_whole(layout: Layout, budget: int) -> bool:
-    """Whether every line of the layout fits (:func:`estimate` of them all, made without
-    assembling the text): then no shorter prefix is looked at. Every prefix holds at
-    most the whole one's tokens, so the one-pass loop would keep them all too."""
-    lines = layout.lines
-    sections = set(map(_SECTION, lines))
-    tokens: int = sum(map(_TOKENS, lines)) + sum(layout.header_tokens[s] for s in sections)
-    chars: int = sum(map(len, map(_TEXT, lines))) + sum(len(_HEADER_LINES[s]) for s in sections)
-    if len(lines) < layout.total:
-        tokens += layout.left_out_tokens
-        chars += len(left_out_line(layout.total - len(lines)))
-    return tokens + WINDOW_SLACK_TOKENS * (chars // COUNT_WINDOW_CHARS) <= budget
+def lines_fit(layout: Layout, kept: int, budget: int) -> bool:
+    """Whether the first ``kept`` lines, their headers and the left-out line, each
+    counted on its own, fit ``budget`` (their :func:`estimate` is that and more)."""
+    return _prefix_tokens(layout, kept) <= budget
