@@ -539,3 +539,14 @@ def test_demo_refuses_a_path_it_cannot_create(tmp_path: Path, path: str) -> None
     result = run(["demo", "--path", path], cwd=tmp_path)
     assert result.returncode == 2
     assert_one_line_error(result, "--path")
+
+
+@pytest.mark.parametrize("archive", ["365", "0"])
+def test_events_kept_shorter_than_the_archive_are_refused(tmp_path: Path, archive: str) -> None:
+    # A restore reads the events of what it undoes: with the events purged first, it left
+    # in the summaries it should take out, and kept the values it should put back.
+    env = {"REVERIE_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}", "REVERIE_ARCHIVE_RETENTION_DAYS": archive}
+    result = run(["migrate"], env=env)
+    assert result.returncode == 1
+    assert_one_line_error(result, "REVERIE_EVENT_RETENTION_DAYS", "REVERIE_ARCHIVE_RETENTION_DAYS")
+    assert run(["migrate"], env={**env, "REVERIE_EVENT_RETENTION_DAYS": "0"}).returncode == 0

@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "sqlite:///reverie.db"
@@ -201,6 +201,23 @@ class Settings(BaseSettings):
         if name and name.lower() in EDDI_MEMORY_COLUMNS:
             raise ValueError(f"{name!r} is one of the memory table's own columns, not a last-access column")
         return name
+
+    @field_validator("event_retention_days")
+    @classmethod
+    def _events_outlast_the_archive(cls, days: int, info: ValidationInfo) -> int:
+        # A restore reads the events to tell what was written since (by the application,
+        # or a summary to take out): events gone before the archive rows make a restore
+        # leave in what it should take out, or keep what it should put back.
+        archive = info.data.get("archive_retention_days")
+        if archive is None or days == 0:
+            return days
+        if archive == 0 or days < archive:
+            kept = "forever (0)" if archive == 0 else f"{archive} days"
+            raise ValueError(
+                f"must be 0 (forever) or at least REVERIE_ARCHIVE_RETENTION_DAYS, which keeps archived rows {kept}: "
+                "reverie restore reads the events of what it undoes"
+            )
+        return days
 
     @field_validator("broker_url")
     @classmethod
