@@ -214,7 +214,13 @@ class _Writer:
         """Insert an archived row whole; False when a unique key of the host's table
         already holds it (nothing written then)."""
         if self._host_columns is None:
-            self._host_columns = [column["name"] for column in host_columns(self.session, self.table)]
+            # Not the columns the database makes itself (generated, or an identity it
+            # always assigns): it refuses a value for them, and makes them again.
+            self._host_columns = [
+                column["name"]
+                for column in host_columns(self.session, self.table)
+                if not column.get("computed") and not (column.get("identity") or {}).get("always")
+            ]
         columns = [name for name in self._host_columns if name in data]
         if self.postgres:
             # PostgreSQL turns the JSON back into the table's own column types.

@@ -177,3 +177,27 @@ def test_restore_removal_archives_host_columns_of_the_rows_it_takes_out(host_set
         gone = remove_entries(session, table, table.c.user_id == "u1", reason="prune", source="prune")
     assert len(gone) == 1
     assert _archived(host_settings, "u1")["x"]["tenant_ref"] == "tenant-x"
+
+
+def test_a_restore_leaves_the_columns_the_database_makes_to_the_database(pg_settings: Settings) -> None:
+    # A host column generated from the key: PostgreSQL refuses a value for it, so putting
+    # the row back with every archived column failed, and the whole restore with it.
+    with session_scope(pg_settings) as session:
+        session.execute(
+            text("ALTER TABLE usermemories ADD COLUMN key_len int GENERATED ALWAYS AS (length(key)) STORED")
+        )
+    dispose_engines()
+    try:
+        seed(pg_settings, [entry("u1", "stale", "old", age_days=300), entry("u1", "city", "Berlin")])
+        outcome = dream_user(pg_settings, "u1")
+        assert outcome.entries_pruned == 1 and outcome.run_id is not None
+        with session_scope(pg_settings) as session:
+            result = restore_run(session, table_for(pg_settings), outcome.run_id)
+        assert (result.restored, result.conflicts) == (1, 0)
+        with session_scope(pg_settings) as session:
+            rows = session.execute(text("SELECT key, key_len FROM usermemories WHERE user_id = 'u1' ORDER BY key"))
+            assert [tuple(r) for r in rows] == [("city", 4), ("stale", 5)]
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(text("ALTER TABLE usermemories DROP COLUMN key_len"))
+        dispose_engines()
