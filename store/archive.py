@@ -21,6 +21,7 @@ restore`` rebuilds their profiles at once).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -217,9 +218,7 @@ class _Writer:
             # Not the columns the database makes itself (generated, or an identity it
             # always assigns): it refuses a value for them, and makes them again.
             self._host_columns = [
-                column["name"]
-                for column in host_columns(self.session, self.table)
-                if not column.get("computed") and not (column.get("identity") or {}).get("always")
+                column["name"] for column in host_columns(self.session, self.table) if not _made_by_database(column)
             ]
         columns = [name for name in self._host_columns if name in data]
         if self.postgres:
@@ -265,6 +264,13 @@ class _Writer:
                 self.table.name, MetaData(), schema=self.table.schema, autoload_with=self.session.connection()
             )
         return self._live
+
+
+def _made_by_database(column: Mapping[str, Any]) -> bool:
+    """Whether the database makes the column's value itself: generated, or an identity
+    it always assigns (it refuses a value for those)."""
+    identity: Mapping[str, Any] = column.get("identity") or {}
+    return bool(column.get("computed")) or bool(identity.get("always"))
 
 
 def _clash(table: Table, row: dict[str, Any]) -> Any:
