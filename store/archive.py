@@ -3,7 +3,8 @@
 Three kinds of work are undone:
 - rows the run or signal removed (prune, contradiction, summarize) are inserted again,
   whole, every column the host added included;
-- values it overwrote (reason ``replace``) are put back on their row;
+- values it overwrote (reason ``replace``) are put back on their row, in place: the
+  columns an overwrite writes, nothing else;
 - entries it inserted (summaries, new facts) are taken out through ``remove_entries``,
   so they are archived in turn and nothing is lost either way.
 
@@ -26,12 +27,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, DateTime, MetaData, Table, and_, delete, func, select, text, tuple_, update
+from sqlalchemy import ColumnElement, DateTime, MetaData, Table, and_, func, select, text, tuple_, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from store import entry_state
 from store.memories import (
+    OVERWRITTEN_COLUMNS,
     Removed,
     archive_rows,
     host_columns,
@@ -198,7 +200,12 @@ class _Writer:
     def put_back_value(self, data: dict[str, Any], written_at: datetime | None) -> str:
         """Put an overwritten value back on its row: ``put back``, ``changed`` (the
         application wrote the row after Reverie did: left alone) or ``missing`` (the row
-        is gone: the caller inserts it like a removed one)."""
+        is gone: the caller inserts it like a removed one).
+
+        The row is updated in place, and only in the columns an overwrite writes
+        (``OVERWRITTEN_COLUMNS``): the rows the host's own tables hang off it stay (a
+        delete would take those with ``ON DELETE CASCADE``), and so does what the
+        application wrote beside the value since (a recall counted, a column of its own)."""
         table = self.table
         this = one_entry(table, data["user_id"], data["id"])
         current = self.session.execute(select(table.c.id, table.c.updated_at).where(this).with_for_update()).first()
@@ -207,8 +214,25 @@ class _Writer:
         if written_at is None or current.updated_at != written_at:
             return "changed"
         archive_rows(self.session, table, this, reason="restore")
-        self.session.execute(delete(table).where(this))
-        self.insert(data)
+        columns = [name for name in OVERWRITTEN_COLUMNS if name in data]
+        if self.postgres:
+            # As the insert does: PostgreSQL turns the JSON back into the columns' own types.
+            preparer = self.session.get_bind().dialect.identifier_preparer
+            names = ", ".join(preparer.quote(name) for name in columns)
+            name = quoted_name(self.session, self.table)
+            self.session.execute(
+                text(
+                    f"UPDATE {name} SET ({names}) = (SELECT {names} "
+                    f"FROM jsonb_populate_record(NULL::{name}, CAST(:row AS jsonb))) "
+                    f"WHERE {preparer.quote('user_id')} = :user_id AND {preparer.quote('id')} = :id"
+                ),
+                {"row": json.dumps(data), "user_id": data["user_id"], "id": data["id"]},
+            )
+        else:
+            values = self._sqlite_values(data, columns)
+            live = self._live_table()
+            self.session.execute(update(live).where(one_entry(live, data["user_id"], data["id"])).values(**values))
+        self._done(data)
         return "put back"
 
     def insert(self, data: dict[str, Any]) -> bool:
@@ -234,17 +258,25 @@ class _Writer:
                 {"row": json.dumps(data)},
             )
         else:
-            live = self._live_table()
-            row = {name: data[name] for name in columns}
-            for name in columns:
-                if isinstance(row[name], str) and isinstance(live.c[name].type, DateTime):
-                    row[name] = datetime.fromisoformat(row[name])
-            result = self.session.execute(sqlite_insert(live).values(**row).on_conflict_do_nothing())
+            row = self._sqlite_values(data, columns)
+            result = self.session.execute(sqlite_insert(self._live_table()).values(**row).on_conflict_do_nothing())
         if not result.rowcount:  # type: ignore[attr-defined]
             return False
+        self._done(data)
+        return True
+
+    def _done(self, data: dict[str, Any]) -> None:
         self.done.append(Removed(data["id"], data["user_id"], data["key"]))
         self.recalls.append((data["id"], data["user_id"], int(data.get("access_count") or 0)))
-        return True
+
+    def _sqlite_values(self, data: dict[str, Any], columns: list[str]) -> dict[str, Any]:
+        """The archived row's values of ``columns`` as the live table takes them (SQLite)."""
+        live = self._live_table()
+        row = {name: data[name] for name in columns}
+        for name in columns:
+            if isinstance(row[name], str) and isinstance(live.c[name].type, DateTime):
+                row[name] = datetime.fromisoformat(row[name])
+        return row
 
     def finish(self) -> None:
         record_events(

@@ -444,6 +444,11 @@ def unchanged_since_read(session: Session, table: Table, rows: Sequence[Any]) ->
     return or_(*conditions) if conditions else false()
 
 
+#: The columns an overwrite (:func:`upsert_entry` of a new value for an existing key)
+#: writes; a restore of the overwrite puts back these and leaves the row's others as they are.
+OVERWRITTEN_COLUMNS = ("value", "category", "updated_at", "source_conversation_id")
+
+
 def upsert_entry(
     session: Session,
     table: Table,
@@ -544,6 +549,7 @@ def _replace(
     at = now()
     this = one_entry(table, existing.user_id, existing.id)
     archive_rows(session, table, this, reason="replace", run_id=run_id, signal_id=signal_id)
+    # Only OVERWRITTEN_COLUMNS: a restore puts back those, and nothing else.
     changes: dict[str, Any] = {"value": value, "category": category, "updated_at": at}
     if source_conversation_id is not None:
         changes["source_conversation_id"] = source_conversation_id

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import select, update
+import pytest
+from sqlalchemy import select, text, update
 
-from store.db import session_scope
+from store.db import dispose_engines, session_scope
 from store.memories import table_for
 from store.models import ArchivedEntry, Event
 from store.types import now
@@ -105,3 +107,53 @@ def test_restore_signal_puts_back_the_whole_row_on_both_backends(store_settings:
         result = restore_signal(session, table, 2)
     assert (result.restored, result.removed_inserts, result.changed_since) == (1, 0, 0)
     assert {row.key: row._asdict() for row in memories(store_settings, "alice")} == before
+
+
+@pytest.fixture()
+def notes_on_entries(store_settings: Settings) -> Iterator[Settings]:
+    """A table of the host's own that hangs rows off memory entries, deleted with them
+    (``ON DELETE CASCADE``)."""
+    with session_scope(store_settings) as session:
+        session.execute(
+            text(
+                "CREATE TABLE entry_notes (note_id INTEGER PRIMARY KEY, "
+                "entry_id VARCHAR(64) NOT NULL REFERENCES usermemories (id) ON DELETE CASCADE, note TEXT)"
+            )
+        )
+    try:
+        yield store_settings
+    finally:
+        dispose_engines()
+        with session_scope(store_settings) as session:
+            session.execute(text("DROP TABLE entry_notes"))
+        dispose_engines()
+
+
+def test_restoring_an_overwrite_keeps_the_host_rows_that_hang_off_the_entry(notes_on_entries: Settings) -> None:
+    from store.archive import restore_signal
+    from store.memories import upsert_entry
+
+    settings = notes_on_entries
+    table = table_for(settings)
+
+    def write(value: str, signal_id: int) -> str:
+        with session_scope(settings) as session:
+            done = upsert_entry(
+                session, table, user_id="alice", key="seat", value=value, category="fact", source="session_end",
+                source_agent_id="agent-a", signal_id=signal_id,
+            )  # fmt: skip
+        assert done.entry_id is not None
+        return done.entry_id
+
+    entry_id = write("aisle", 1)
+    with session_scope(settings) as session:
+        session.execute(text("INSERT INTO entry_notes VALUES (1, :e, 'asked twice')"), {"e": entry_id})
+    assert write("window", 2) == entry_id
+    with session_scope(settings) as session:
+        result = restore_signal(session, table, 2)
+    assert result.restored == 1
+    assert _values(settings) == {"seat": "aisle"}
+    with session_scope(settings) as session:
+        notes = session.execute(text("SELECT entry_id, note FROM entry_notes")).all()
+    # The entry was put back in place: the host's rows that hang off it are still there.
+    assert [tuple(n) for n in notes] == [(entry_id, "asked twice")]

@@ -201,3 +201,34 @@ def test_a_restore_leaves_the_columns_the_database_makes_to_the_database(pg_sett
         with session_scope(pg_settings) as session:
             session.execute(text("ALTER TABLE usermemories DROP COLUMN key_len"))
         dispose_engines()
+
+
+def test_restoring_an_overwrite_keeps_what_the_application_wrote_since_beside_the_value(
+    host_settings: Settings,
+) -> None:
+    """The application records a recall and sets its own column after Reverie's
+    overwrite, leaving ``updated_at`` alone: the restore puts back the value Reverie
+    overwrote and keeps both."""
+    from store.archive import restore_signal
+    from store.memories import upsert_entry
+
+    table = table_for(host_settings)
+    seed(host_settings, [entry("u1", "seat", "aisle", access_count=2)])
+    before = entries_of(host_settings, "u1")
+    with session_scope(host_settings) as session:
+        done = upsert_entry(
+            session, table, user_id="u1", key="seat", value="window", category="preference",
+            source="session_end", source_agent_id="agent-a", signal_id=7,
+        )  # fmt: skip
+    assert done.action == "update"
+    with session_scope(host_settings) as session:
+        session.execute(text("UPDATE usermemories SET access_count = 9, tenant_ref = 'tenant-9' WHERE user_id = 'u1'"))
+
+    with session_scope(host_settings) as session:
+        assert restore_signal(session, table, 7).restored == 1
+    (after,) = entries_of(host_settings, "u1").values()
+    (was,) = before.values()
+    put_back = ("value", "category", "updated_at")
+    assert [after[name] for name in put_back] == [was[name] for name in put_back]
+    assert after["access_count"] == 9
+    assert _tenants(host_settings, "u1") == {"seat": "tenant-9"}
