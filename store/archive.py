@@ -27,9 +27,22 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, DateTime, MetaData, Table, and_, func, select, text, tuple_, update
+from sqlalchemy import (
+    ColumnElement,
+    DateTime,
+    LargeBinary,
+    MetaData,
+    Table,
+    and_,
+    func,
+    select,
+    text,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
+from sqlalchemy.types import NullType
 
 from store import entry_state
 from store.memories import (
@@ -270,12 +283,19 @@ class _Writer:
         self.recalls.append((data["id"], data["user_id"], int(data.get("access_count") or 0)))
 
     def _sqlite_values(self, data: dict[str, Any], columns: list[str]) -> dict[str, Any]:
-        """The archived row's values of ``columns`` as the live table takes them (SQLite)."""
+        """The archived row's values of ``columns`` as the live table takes them (SQLite).
+        The host's own columns were archived as stored, and go back so (bytes from the
+        archive's ``\\x`` hex form)."""
         live = self._live_table()
         row = {name: data[name] for name in columns}
         for name in columns:
-            if isinstance(row[name], str) and isinstance(live.c[name].type, DateTime):
-                row[name] = datetime.fromisoformat(row[name])
+            value, kind = row[name], live.c[name].type
+            if not isinstance(value, str):
+                continue
+            if isinstance(kind, DateTime) and name in self.table.c:
+                row[name] = datetime.fromisoformat(value)
+            elif isinstance(kind, LargeBinary) and value.startswith("\\x"):
+                row[name] = bytes.fromhex(value[2:])
         return row
 
     def finish(self) -> None:
@@ -291,10 +311,15 @@ class _Writer:
         entry_state.mark_restored(self.session, self.recalls, self.at)
 
     def _live_table(self) -> Table:
+        """The host's table as the database has it now (SQLite), its own columns taking
+        their values as stored (bytes aside): not converted by the type they declare."""
         if self._live is None:
             self._live = Table(
                 self.table.name, MetaData(), schema=self.table.schema, autoload_with=self.session.connection()
             )
+            for column in self._live.c:
+                if column.name not in self.table.c and not isinstance(column.type, LargeBinary):
+                    column.type = NullType()
         return self._live
 
 

@@ -185,6 +185,9 @@ def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any
         parsed = make_url(url)
     except ArgumentError as exc:
         raise ConfigError(f"REVERIE_DATABASE_URL is not a database URL: {safe_url(url)}") from exc
+    # A statement's parameters (memory values, user ids) stay out of its errors' text,
+    # which may be logged or kept.
+    kwargs.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "sqlite":
         engine = create_engine(url, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)

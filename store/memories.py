@@ -13,7 +13,8 @@ import json
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime
+from datetime import date, datetime, time
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import (
@@ -42,6 +43,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine.interfaces import ReflectedColumn
 from sqlalchemy.orm import Session
+from sqlalchemy.types import NullType
 
 from store.db import has_table, session_scope
 from store.models import ArchivedEntry, Event, memory_table, query_name
@@ -96,12 +98,16 @@ def host_columns(session: Session, table: Table) -> list[ReflectedColumn]:
 
 def whole_columns(session: Session, table: Table) -> list[ColumnElement[Any]]:
     """``table``'s columns plus those the host added (read from the database), to select
-    a row whole."""
-    preparer = session.get_bind().dialect.identifier_preparer
+    a row whole. On SQLite the host's columns come as stored (text, a number, bytes),
+    whatever type they declare: that is what a restore writes back, so a day, a time or
+    a decimal comes back exactly as it was."""
+    dialect = session.get_bind().dialect
+    preparer = dialect.identifier_preparer
     extra = [
-        literal_column(f"{quoted_name(session, table)}.{preparer.quote(column['name'])}", column["type"]).label(
-            column["name"]
-        )
+        literal_column(
+            f"{quoted_name(session, table)}.{preparer.quote(column['name'])}",
+            NullType() if dialect.name == "sqlite" else column["type"],
+        ).label(column["name"])
         for column in host_columns(session, table)
         if column["name"] not in table.c
     ]
@@ -112,8 +118,12 @@ def jsonable_row(row: Any) -> dict[str, Any]:
     """A memory-table row as the JSON object the archive stores."""
     out: dict[str, Any] = {}
     for key, value in dict(row._mapping).items():
-        if isinstance(value, datetime | date):
+        if isinstance(value, datetime | date | time):
             value = value.isoformat()
+        elif isinstance(value, Decimal):
+            value = str(value)  # exact, as the column holds it
+        elif isinstance(value, bytes | bytearray | memoryview):
+            value = "\\x" + bytes(value).hex()  # as PostgreSQL writes bytes in JSON
         elif isinstance(value, str) and key in ("value", "group_ids"):
             # SQLite hands JSON back as text when read through a plain select.
             with contextlib.suppress(ValueError):

@@ -33,7 +33,15 @@ from tasks.profile_writer import ProfileWriter
 from tasks.prune import prune_user, prune_users
 from tasks.summarize import SummaryCounts, summarize_user
 from worker import budget, metrics
-from worker.errors import DatabaseUnavailable, LeaseLost, PermanentError, TransientError, UserBusy
+from worker.errors import (
+    DatabaseUnavailable,
+    LeaseLost,
+    PermanentError,
+    ReverieError,
+    TransientError,
+    UserBusy,
+    describe,
+)
 from worker.logs import get_logger, user_ref
 from worker.policy import PolicyBook, book
 from worker.settings import Settings
@@ -181,9 +189,13 @@ def _run(
 
 def _fail(outcome: RunOutcome, exc: Exception) -> None:
     outcome.status = "failed"
-    outcome.error = (
-        str(exc) if isinstance(exc, PermanentError | LeaseLost) else f"{type(exc).__name__}: {str(exc).strip()[:500]}"
-    )
+    if isinstance(exc, PermanentError | LeaseLost):
+        outcome.error = str(exc)
+    elif isinstance(exc, ReverieError):
+        outcome.error = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+    else:
+        # Kept in the run's row and logged: the database's own words, never the rows'.
+        outcome.error = describe(exc)[:500]
 
 
 def _prune_and_detect(

@@ -44,6 +44,7 @@ from worker.errors import (
     PermanentError,
     SchemaMissing,
     TransientError,
+    raised_at,
 )
 from worker.logs import get_logger, user_ref
 from worker.payloads import KINDS, validate_signal
@@ -285,7 +286,7 @@ def _guarded(settings: Settings, claim: Claimed, result: SignalResult, step: Cal
         # must never stop the pass, and a bug must not be retried forever.
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
         result.reason = f"internal error: {type(exc).__name__}"
-        log_detail = {"error": type(exc).__name__, "where": _where(exc)}
+        log_detail = {"error": type(exc).__name__, "where": raised_at(exc)}
     _finish(settings, claim, result, refund=refund, wait_until=wait_until, **log_detail)
     return None
 
@@ -303,14 +304,6 @@ def _budget_outcome(exc: BudgetExhausted) -> tuple[str, str, datetime | None]:
     if exc.scope == "signal":
         return "dead", f"{exc}: the signal's own cost ceiling (REVERIE_MAX_COST_PER_SIGNAL) is spent", None
     return "failed", str(exc), None
-
-
-def _where(exc: BaseException) -> str:
-    # Where it happened, not the message: messages can quote payload text.
-    frame = exc.__traceback__
-    while frame is not None and frame.tb_next is not None:
-        frame = frame.tb_next
-    return f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else "?"
 
 
 def _prepare(settings: Settings, claim: Claimed, result: SignalResult) -> _Ready | None:
@@ -390,7 +383,7 @@ def _apply_together(settings: Settings, ready: list[_Ready]) -> bool:
     except (DatabaseUnavailable, SchemaMissing):
         raise
     except Exception as exc:
-        log.info("signal_batch_split", size=len(ready), error=type(exc).__name__, where=_where(exc))
+        log.info("signal_batch_split", size=len(ready), error=type(exc).__name__, where=raised_at(exc))
         return False
     for item in ready:
         if item.claim.signal_id not in held:

@@ -21,6 +21,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from sqlalchemy import select
 from sqlalchemy import text as sql_text
+from sqlalchemy.exc import IntegrityError
 
 from store.db import session_scope
 from store.memories import table_for, upsert_entry
@@ -227,3 +228,39 @@ def test_sql_and_markup_keys_and_values_are_stored_verbatim(pg_settings: Setting
     for i, text in enumerate(HOSTILE):
         assert rows.get(text) == text + f" #{i}", text
     assert rows["favorite_quote"] == "x'); DROP TABLE usermemories; -- <script>alert(1)</script> {{7*7}}"
+
+
+def test_a_run_the_database_refuses_logs_and_keeps_no_value_of_the_rows_it_wrote(
+    pg_settings: Settings,
+    captured: io.StringIO,  # noqa: F811 - the fixture imported above
+) -> None:
+    """The host's table refuses every write (a check no new row passes): the error the
+    run logs and keeps names the constraint, not the rows, whose values both the
+    driver's detail (``Failing row contains ...``) and the statement's parameters hold."""
+    user = USERS[1]
+    table = table_for(pg_settings)
+    with session_scope(pg_settings) as session:
+        for i in range(5):
+            session.execute(
+                table.insert().values(
+                    id=f"{user}-n{i}", user_id=user, key=f"note_{i}", value=canary(user, f"note{i}x"),
+                    category="context", source_agent_id="a",
+                )
+            )  # fmt: skip
+        session.execute(sql_text("ALTER TABLE usermemories ADD CONSTRAINT host_frozen CHECK (false) NOT VALID"))
+    try:
+        with pytest.raises(IntegrityError):  # for the worker's retry policy to judge
+            dream_user(pg_settings, user)
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(sql_text("ALTER TABLE usermemories DROP CONSTRAINT host_frozen"))
+    with session_scope(pg_settings) as session:
+        status, kept = session.execute(
+            sql_text("SELECT status, error FROM dream_runs WHERE user_id = :u"), {"u": user}
+        ).one()
+    assert status == "failed" and "host_frozen" in kept
+    output = captured.getvalue()
+    assert "dream_failed" in output and "host_frozen" in output
+    for place in (output, kept):
+        assert re.findall(r"zq\w+?qz", place) == []
+        assert user not in place

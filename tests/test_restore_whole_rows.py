@@ -232,3 +232,48 @@ def test_restoring_an_overwrite_keeps_what_the_application_wrote_since_beside_th
     assert [after[name] for name in put_back] == [was[name] for name in put_back]
     assert after["access_count"] == 9
     assert _tenants(host_settings, "u1") == {"seat": "tenant-9"}
+
+
+@pytest.fixture()
+def typed_host_settings(store_settings: Settings) -> Iterator[Settings]:
+    """The memory table with host columns of the types JSON has no form of: a day, a
+    time of day, an exact decimal and bytes."""
+    binary = "BYTEA" if store_settings.database_url.startswith("postgresql") else "BLOB"
+    added = ["born DATE", "wake TIME", "score NUMERIC(10, 2)", f"photo {binary}"]
+    with session_scope(store_settings) as session:
+        for column in added:
+            session.execute(text(f"ALTER TABLE usermemories ADD COLUMN {column}"))
+    dispose_engines()
+    yield store_settings
+    if store_settings.database_url.startswith("postgresql"):
+        with session_scope(store_settings) as session:
+            for column in added:
+                session.execute(text(f"ALTER TABLE usermemories DROP COLUMN {column.split()[0]}"))
+        dispose_engines()
+
+
+def _typed_columns(settings: Settings) -> list[tuple[Any, ...]]:
+    with session_scope(settings) as session:
+        found = session.execute(text("SELECT key, born, wake, score, photo FROM usermemories ORDER BY key"))
+        return [tuple(row) for row in found]
+
+
+def test_host_columns_of_every_type_are_archived_and_put_back_as_they_were(typed_host_settings: Settings) -> None:
+    settings = typed_host_settings
+    seed(settings, [entry("u1", "stale", "old", age_days=300), entry("u1", "bare", "kept", age_days=300)])
+    with session_scope(settings) as session:
+        session.execute(
+            text(
+                "UPDATE usermemories SET born = '1990-05-17', wake = '07:30:00', score = 12.50, photo = :photo "
+                "WHERE key = 'stale'"
+            ),
+            {"photo": b"\x00\xff\x10"},
+        )
+    before = _typed_columns(settings)
+    assert before[1][1:] != (None, None, None, None)
+    outcome = dream_user(settings, "u1")
+    assert outcome.entries_pruned == 2 and outcome.run_id is not None
+    with session_scope(settings) as session:
+        result = restore_run(session, table_for(settings), outcome.run_id)
+    assert (result.restored, result.conflicts) == (2, 0)
+    assert _typed_columns(settings) == before

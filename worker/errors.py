@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class ReverieError(Exception):
     """Root of every error Reverie raises on purpose."""
@@ -109,3 +111,35 @@ class LexiconInvalid(ConfigError):
         self.path = path
         self.reason = reason
         super().__init__(f"key lexicon {path}: {reason}")
+
+
+def raised_at(exc: BaseException) -> str:
+    """Where ``exc`` was raised (the innermost frame's file and line)."""
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else "?"
+
+
+#: A value the database quotes at the end of its message (``invalid input syntax for
+#: type integer: "abc"``).
+_QUOTED_AT_END = re.compile(r':\s*"[^\n]*"\s*$')
+
+
+def describe(exc: BaseException) -> str:
+    """One line on an error that may be kept and logged: no memory value in it.
+
+    Reverie's own errors are written to be safe and say what is wrong. A database's
+    error keeps its driver's first line, which names the constraint, column or type
+    (what an operator needs), without the detail lines under it (``Failing row
+    contains ...``, ``Key (...)=(...)``), the statement's parameters, or a value quoted
+    at its end. Anything else (a bug, input nothing foresaw) is named by its type and
+    where it was raised: its message may quote the values it was handed."""
+    if isinstance(exc, ReverieError):
+        return str(exc)
+    orig = getattr(exc, "orig", None)
+    if isinstance(orig, BaseException):
+        lines = str(orig).strip().splitlines()
+        first = _QUOTED_AT_END.sub(': "…"', lines[0]) if lines else ""
+        return f"{type(exc).__name__}: {type(orig).__name__}: {first}".rstrip(": ")
+    return f"{type(exc).__name__} at {raised_at(exc)}"
