@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
-from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -54,6 +54,16 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # SQLite has no hash function: the fingerprints of profiles need one (see
     # ``store.profiles.content_hash``).
     dbapi_connection.create_function(SQLITE_HASH, -1, sqlite_hash, deterministic=True)
+
+
+def hold_writes(session: Session) -> None:
+    """From now until the session's transaction ends, no other connection writes: on
+    SQLite, take the database's write lock at once (a write that changes nothing), so
+    the rows read next cannot change before this transaction writes after them (SQLite
+    has no ``FOR UPDATE``, and Python's driver opens no transaction for a ``SELECT``).
+    PostgreSQL: nothing (lock the rows read with ``FOR UPDATE``)."""
+    if session.get_bind().dialect.name == "sqlite":
+        session.execute(text("DELETE FROM dream_user_state WHERE 0"))
 
 
 #: The hash function every SQLite connection of Reverie's has (any number of arguments).

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import Table, insert, select
 from sqlalchemy.orm import Session
 
+from store.db import hold_writes
 from store.memories import Removed, entries_of, record_events, remove_entries, user_keys
 from store.types import now
 
@@ -79,6 +80,7 @@ def replace_group(
     user_id, visibility, agent_id = first.user_id, first.visibility, first.source_agent_id
     # A group is one user's: its ids name rows only with that user.
     these = entries_of(table, user_id, [row.id for row in originals])
+    hold_writes(session)  # SQLite: no edit between this look and the delete
     current = session.execute(select(table).where(these).with_for_update()).all()
     if sorted(map(snapshot, current), key=str) != sorted(map(snapshot, originals), key=str):
         return None

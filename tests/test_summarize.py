@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
+import store.summaries
 from store.db import session_scope
+from store.memories import table_for
 from store.models import ArchivedEntry
 from tasks.dream import dream_user
 from tasks.summarize import UnusableReply, groups_of, parse_reply
@@ -237,3 +240,43 @@ def test_a_group_the_budget_cannot_pay_for_is_tried_again_at_the_next_pass(pg_se
     outcome = dream_user(settings, "u1")
     assert outcome.groups_deferred == 1 and "budget exhausted" in (outcome.error or "")
     assert _dirty(settings, "u1")
+
+
+def test_an_application_edit_landing_as_the_summary_is_written_is_never_removed_unsummarized(
+    store_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The application edits an original just after the write has read the group back
+    (the last look before the delete). The edit must either come too late (the summary
+    holds: the originals it removed are the values it summarized) or in time (the group
+    is left, the edit kept); never a removed row whose value the summary never saw."""
+    seed(store_settings, _six())
+    table = table_for(store_settings)
+    looked = store.summaries.snapshot
+    edits: list[threading.Thread] = []
+
+    def edit_meanwhile(row: Any) -> tuple[Any, ...]:
+        if not edits:
+
+            def edit() -> None:
+                with session_scope(store_settings) as session:
+                    session.execute(
+                        update(table).where(table.c.key == "note_0").values(value="edited by the application")
+                    )
+
+            edits.append(threading.Thread(target=edit))
+            edits[0].start()
+            edits[0].join(timeout=1.0)  # lands now, unless the write holds the rows (or the database)
+        return looked(row)
+
+    monkeypatch.setattr(store.summaries, "snapshot", edit_meanwhile)
+    outcome = dream_user(store_settings, "u1")
+    edits[0].join(timeout=60)
+    assert not edits[0].is_alive()
+    with session_scope(store_settings) as session:
+        removed = session.scalars(select(ArchivedEntry.row).where(ArchivedEntry.reason == "summarize")).all()
+    removed_values = sorted(str((json.loads(r) if isinstance(r, str) else r)["value"]) for r in removed)
+    if outcome.entries_summarized:
+        assert removed_values == sorted(f"fact number {i}" for i in range(6))
+    else:
+        assert removed_values == []
+        assert "edited by the application" in {str(r["value"]) for r in entries_of(store_settings, "u1").values()}
