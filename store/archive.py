@@ -30,7 +30,6 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     DateTime,
-    LargeBinary,
     MetaData,
     Table,
     and_,
@@ -45,10 +44,12 @@ from sqlalchemy.orm import Session
 from sqlalchemy.types import NullType
 
 from store import entry_state
+from store.db import hold_writes
 from store.memories import (
     OVERWRITTEN_COLUMNS,
     Removed,
     archive_rows,
+    bytes_of,
     host_columns,
     one_entry,
     quoted_name,
@@ -107,6 +108,9 @@ def _restore(
     run_id: int | None = None,
     signal_id: int | None = None,
 ) -> Restored:
+    # SQLite: no other writer from the first look to the last write (PostgreSQL locks
+    # the rows it looks at), so an application edit never lands between the two.
+    hold_writes(session)
     writes = _Writer(session, table, run_id=run_id, signal_id=signal_id)
     removed, kept = _take_out_inserts(session, table, events_of)
     archived = session.execute(
@@ -221,7 +225,8 @@ class _Writer:
         application wrote beside the value since (a recall counted, a column of its own)."""
         table = self.table
         this = one_entry(table, data["user_id"], data["id"])
-        current = self.session.execute(select(table.c.id, table.c.updated_at).where(this).with_for_update()).first()
+        look = select(table.c.id, table.c.updated_at, table.c.access_count).where(this).with_for_update()
+        current = self.session.execute(look).first()
         if current is None:
             return "missing"
         if written_at is None or current.updated_at != written_at:
@@ -233,7 +238,7 @@ class _Writer:
             preparer = self.session.get_bind().dialect.identifier_preparer
             names = ", ".join(preparer.quote(name) for name in columns)
             name = quoted_name(self.session, self.table)
-            self.session.execute(
+            result = self.session.execute(
                 text(
                     f"UPDATE {name} SET ({names}) = (SELECT {names} "
                     f"FROM jsonb_populate_record(NULL::{name}, CAST(:row AS jsonb))) "
@@ -244,8 +249,13 @@ class _Writer:
         else:
             values = self._sqlite_values(data, columns)
             live = self._live_table()
-            self.session.execute(update(live).where(one_entry(live, data["user_id"], data["id"])).values(**values))
-        self._done(data)
+            result = self.session.execute(
+                update(live).where(one_entry(live, data["user_id"], data["id"])).values(**values)
+            )
+        if not result.rowcount:  # type: ignore[attr-defined]
+            return "missing"  # not while the look's lock holds; never counted as put back
+        # The recalls the row holds now: it keeps them (the next pass counts none as new).
+        self._done(data, recalls=current.access_count)
         return "put back"
 
     def insert(self, data: dict[str, Any]) -> bool:
@@ -278,24 +288,24 @@ class _Writer:
         self._done(data)
         return True
 
-    def _done(self, data: dict[str, Any]) -> None:
+    def _done(self, data: dict[str, Any], *, recalls: int | None = None) -> None:
         self.done.append(Removed(data["id"], data["user_id"], data["key"]))
-        self.recalls.append((data["id"], data["user_id"], int(data.get("access_count") or 0)))
+        held = data.get("access_count") if recalls is None else recalls
+        self.recalls.append((data["id"], data["user_id"], int(held or 0)))
 
     def _sqlite_values(self, data: dict[str, Any], columns: list[str]) -> dict[str, Any]:
         """The archived row's values of ``columns`` as the live table takes them (SQLite).
         The host's own columns were archived as stored, and go back so (bytes from the
-        archive's ``\\x`` hex form)."""
+        archive's tagged form, :func:`store.memories.bytes_of`)."""
         live = self._live_table()
         row = {name: data[name] for name in columns}
         for name in columns:
-            value, kind = row[name], live.c[name].type
-            if not isinstance(value, str):
-                continue
-            if isinstance(kind, DateTime) and name in self.table.c:
+            value = row[name]
+            if name not in self.table.c:
+                held = bytes_of(value)
+                row[name] = value if held is None else held
+            elif isinstance(value, str) and isinstance(live.c[name].type, DateTime):
                 row[name] = datetime.fromisoformat(value)
-            elif isinstance(kind, LargeBinary) and value.startswith("\\x"):
-                row[name] = bytes.fromhex(value[2:])
         return row
 
     def finish(self) -> None:
@@ -312,13 +322,13 @@ class _Writer:
 
     def _live_table(self) -> Table:
         """The host's table as the database has it now (SQLite), its own columns taking
-        their values as stored (bytes aside): not converted by the type they declare."""
+        their values as stored: not converted by the type they declare."""
         if self._live is None:
             self._live = Table(
                 self.table.name, MetaData(), schema=self.table.schema, autoload_with=self.session.connection()
             )
             for column in self._live.c:
-                if column.name not in self.table.c and not isinstance(column.type, LargeBinary):
+                if column.name not in self.table.c:
                     column.type = NullType()
         return self._live
 

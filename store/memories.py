@@ -123,13 +123,22 @@ def jsonable_row(row: Any) -> dict[str, Any]:
         elif isinstance(value, Decimal):
             value = str(value)  # exact, as the column holds it
         elif isinstance(value, bytes | bytearray | memoryview):
-            value = "\\x" + bytes(value).hex()  # as PostgreSQL writes bytes in JSON
-        elif isinstance(value, str) and key in ("value", "group_ids"):
-            # SQLite hands JSON back as text when read through a plain select.
-            with contextlib.suppress(ValueError):
-                value = json.loads(value)
+            # JSON has no bytes: tagged, so a restore knows them from text (SQLite's
+            # host columns come as stored, and text may look like anything).
+            value = {BYTES_TAG: bytes(value).hex()}
         out[key] = value
     return out
+
+
+#: The key of the object the archive holds bytes in (SQLite: ``{"$hex": "00ff"}``).
+BYTES_TAG = "$hex"
+
+
+def bytes_of(value: Any) -> bytes | None:
+    """The bytes a value of :func:`jsonable_row` holds (None: it holds no bytes)."""
+    if isinstance(value, dict) and len(value) == 1 and isinstance(value.get(BYTES_TAG), str):
+        return bytes.fromhex(value[BYTES_TAG])
+    return None
 
 
 def remove_entries(

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from sqlalchemy import select
 from sqlalchemy import text as sql_text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError
 
 from store.db import session_scope
 from store.memories import table_for, upsert_entry
@@ -264,3 +264,39 @@ def test_a_run_the_database_refuses_logs_and_keeps_no_value_of_the_rows_it_wrote
     for place in (output, kept):
         assert re.findall(r"zq\w+?qz", place) == []
         assert user not in place
+
+
+def test_a_failed_run_keeps_no_value_when_the_value_has_a_newline(
+    pg_settings: Settings,
+    captured: io.StringIO,  # noqa: F811 - the fixture imported above
+) -> None:
+    table = table_for(pg_settings)
+    with session_scope(pg_settings) as session:
+        for i in range(5):
+            session.execute(
+                table.insert().values(
+                    id=f"n{i}",
+                    user_id="alice",
+                    key=f"note_{i}",
+                    value=f"zqsecret{i}qz\nsecond line",
+                    category="context",
+                    source_agent_id="a",
+                )
+            )
+        # A host rule on its own column of context notes: a number, checked by a cast.
+        session.execute(
+            sql_text(
+                "ALTER TABLE usermemories ADD CONSTRAINT host_numeric CHECK "
+                "(category <> 'context' OR (value #>> '{}')::numeric IS NOT NULL) NOT VALID"
+            )
+        )
+    try:
+        with pytest.raises(DataError):
+            dream_user(pg_settings, "alice")
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(sql_text("ALTER TABLE usermemories DROP CONSTRAINT host_numeric"))
+    with session_scope(pg_settings) as session:
+        kept = session.scalar(sql_text("SELECT error FROM dream_runs WHERE user_id = 'alice'"))
+    assert "zqsecret" not in kept
+    assert "zqsecret" not in captured.getvalue()

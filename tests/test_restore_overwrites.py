@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy import select, text, update
 
+import store.archive
+from store.archive import restore_signal
 from store.db import dispose_engines, session_scope
-from store.memories import table_for
+from store.memories import table_for, upsert_entry
 from store.models import ArchivedEntry, Event
 from store.types import now
 from tasks.signals import process_pending
@@ -157,3 +160,185 @@ def test_restoring_an_overwrite_keeps_the_host_rows_that_hang_off_the_entry(note
         notes = session.execute(text("SELECT entry_id, note FROM entry_notes")).all()
     # The entry was put back in place: the host's rows that hang off it are still there.
     assert [tuple(n) for n in notes] == [(entry_id, "asked twice")]
+
+
+def test_sqlite_an_edit_landing_while_an_overwrite_is_restored_is_not_overwritten(
+    sqlite_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = sqlite_settings
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        upsert_entry(
+            session,
+            table,
+            user_id="u1",
+            key="seat",
+            value="aisle",
+            category="fact",
+            source="session_end",
+            source_agent_id="agent-a",
+            signal_id=1,
+        )
+    with session_scope(settings) as session:
+        upsert_entry(
+            session,
+            table,
+            user_id="u1",
+            key="seat",
+            value="window",
+            category="fact",
+            source="session_end",
+            source_agent_id="agent-a",
+            signal_id=2,
+        )
+    real = store.archive.archive_rows
+    edits: list[threading.Thread] = []
+
+    def archive_meanwhile(*args: Any, **kwargs: Any) -> int:
+        if not edits:
+
+            def edit() -> None:
+                with session_scope(settings) as session:
+                    session.execute(
+                        text(
+                            "UPDATE usermemories SET value = '\"edited by the application\"', "
+                            "updated_at = CURRENT_TIMESTAMP WHERE user_id = 'u1'"
+                        )
+                    )
+
+            edits.append(threading.Thread(target=edit))
+            edits[0].start()
+            edits[0].join(timeout=1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.archive, "archive_rows", archive_meanwhile)
+    with session_scope(settings) as session:
+        result = restore_signal(session, table, 2)
+    edits[0].join(timeout=60)
+    with session_scope(settings) as session:
+        value = session.scalar(text("SELECT value FROM usermemories WHERE user_id = 'u1'"))
+    # The edit waited for the restore, then landed: it is the row's value, and the
+    # restore counted what it put back.
+    assert "edited by the application" in str(value)
+    assert result.restored == 1
+
+
+def test_sqlite_a_string_value_that_looks_like_json_is_restored_as_a_string(store_settings: Settings) -> None:
+    settings = store_settings
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        upsert_entry(
+            session,
+            table,
+            user_id="u1",
+            key="pin",
+            value="0042",
+            category="fact",
+            source="session_end",
+            source_agent_id="agent-a",
+            signal_id=1,
+        )
+        upsert_entry(
+            session,
+            table,
+            user_id="u1",
+            key="flag",
+            value="true",
+            category="fact",
+            source="session_end",
+            source_agent_id="agent-a",
+            signal_id=1,
+        )
+    with session_scope(settings) as session:
+        for key in ("pin", "flag"):
+            upsert_entry(
+                session,
+                table,
+                user_id="u1",
+                key=key,
+                value="changed",
+                category="fact",
+                source="session_end",
+                source_agent_id="agent-a",
+                signal_id=2,
+            )
+    with session_scope(settings) as session:
+        restore_signal(session, table, 2)
+    with session_scope(settings) as session:
+        values = {r.key: r.value for r in session.execute(select(table.c.key, table.c.value))}
+    assert values == {"pin": "0042", "flag": "true"}
+
+
+def _write(settings: Settings, value: str, signal_id: int) -> None:
+    with session_scope(settings) as session:
+        upsert_entry(
+            session,
+            table_for(settings),
+            user_id="u1",
+            key="seat",
+            value=value,
+            category="fact",
+            source="session_end",
+            source_agent_id="agent-a",
+            signal_id=signal_id,
+        )
+
+
+def _value(settings: Settings) -> Any:
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        return session.scalar(select(table.c.value).where(table.c.user_id == "u1"))
+
+
+def test_chain_of_overwrites_restored_newest_first(store_settings: Settings) -> None:
+    s = store_settings
+    _write(s, "A", 1)
+    _write(s, "B", 2)
+    _write(s, "C", 3)
+    with session_scope(s) as session:
+        assert restore_signal(session, table_for(s), 2).changed_since == 1  # C is newer: left
+    for sid, expect in ((3, "B"), (2, "A")):
+        with session_scope(s) as session:
+            assert restore_signal(session, table_for(s), sid).restored == 1
+        assert _value(s) == expect
+
+
+def test_sqlite_an_application_delete_landing_while_an_overwrite_is_restored_waits_for_it(
+    sqlite_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from store.models import ArchivedEntry
+
+    s = sqlite_settings
+    _write(s, "A", 1)
+    _write(s, "B", 2)
+    real = store.archive.archive_rows
+    done: list[threading.Thread] = []
+    waited: list[bool] = []
+
+    def archive_meanwhile(*args: Any, **kwargs: Any) -> int:
+        if not done:
+
+            def gone() -> None:
+                with session_scope(s) as session:
+                    session.execute(text("DELETE FROM usermemories WHERE user_id = 'u1'"))
+
+            done.append(threading.Thread(target=gone))
+            done[0].start()
+            done[0].join(timeout=1.0)
+            waited.append(done[0].is_alive())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.archive, "archive_rows", archive_meanwhile)
+    with session_scope(s) as session:
+        result = restore_signal(session, table_for(s), 2)
+    done[0].join(timeout=60)
+    with session_scope(s) as session:
+        rows = session.execute(text("SELECT key, value FROM usermemories")).all()
+        pending = session.execute(
+            select(ArchivedEntry.reason, ArchivedEntry.restored_at).where(ArchivedEntry.signal_id == 2)
+        ).all()
+    # The delete waited for the restore, which put the value back (and said so); then
+    # the delete landed. The restore never reports a row it did not write.
+    assert waited == [True]
+    assert result.restored == 1 and rows == []
+    assert [r.restored_at is not None for r in pending if r.reason == "replace"] == [True]

@@ -232,6 +232,9 @@ def test_restoring_an_overwrite_keeps_what_the_application_wrote_since_beside_th
     assert [after[name] for name in put_back] == [was[name] for name in put_back]
     assert after["access_count"] == 9
     assert _tenants(host_settings, "u1") == {"seat": "tenant-9"}
+    # The restore records the recalls the row holds as seen: the next pass counts none as new.
+    with session_scope(host_settings) as session:
+        assert session.scalar(select(EntryState.access_count_seen).where(EntryState.user_id == "u1")) == 9
 
 
 @pytest.fixture()
@@ -277,3 +280,76 @@ def test_host_columns_of_every_type_are_archived_and_put_back_as_they_were(typed
         result = restore_run(session, table_for(settings), outcome.run_id)
     assert (result.restored, result.conflicts) == (2, 0)
     assert _typed_columns(settings) == before
+
+
+@pytest.fixture()
+def bytea_sqlite(sqlite_settings: Settings) -> Iterator[Settings]:
+    with session_scope(sqlite_settings) as session:
+        # The same DDL a host uses for PostgreSQL (BYTEA), and an untyped column.
+        session.execute(text("ALTER TABLE usermemories ADD COLUMN photo BYTEA"))
+        session.execute(text("ALTER TABLE usermemories ADD COLUMN blob_any"))
+    dispose_engines()
+    yield sqlite_settings
+
+
+def _photos(settings: Settings) -> list[tuple[Any, ...]]:
+    with session_scope(settings) as session:
+        return [
+            tuple(r)
+            for r in session.execute(
+                text("SELECT key, photo, typeof(photo), blob_any, typeof(blob_any) FROM usermemories ORDER BY key")
+            )
+        ]
+
+
+def test_sqlite_bytes_in_a_bytea_or_untyped_host_column_survive_prune_and_restore(bytea_sqlite: Settings) -> None:
+    settings = bytea_sqlite
+    seed(settings, [entry("u1", "stale", "old", age_days=300)])
+    with session_scope(settings) as session:
+        session.execute(text("UPDATE usermemories SET photo = :p, blob_any = :p"), {"p": b"\x00\xff\x10"})
+    before = _photos(settings)
+    outcome = dream_user(settings, "u1")
+    assert outcome.entries_pruned == 1 and outcome.run_id is not None
+    with session_scope(settings) as session:
+        assert restore_run(session, table_for(settings), outcome.run_id).restored == 1
+    after = _photos(settings)
+    assert after == before
+
+
+@pytest.fixture()
+def blob_sqlite(sqlite_settings: Settings) -> Iterator[Settings]:
+    with session_scope(sqlite_settings) as session:
+        session.execute(text("ALTER TABLE usermemories ADD COLUMN attachment BLOB"))
+    dispose_engines()
+    yield sqlite_settings
+
+
+def test_sqlite_text_in_a_blob_host_column_is_restored(blob_sqlite: Settings) -> None:
+    settings = blob_sqlite
+    seed(settings, [entry("u1", "stale", "old", age_days=300), entry("u2", "stale", "old", age_days=300)])
+    with session_scope(settings) as session:
+        # SQLite keeps what it is given: a BLOB column may hold text.
+        session.execute(text("UPDATE usermemories SET attachment = 'see-notes' WHERE user_id = 'u1'"))
+        session.execute(text("UPDATE usermemories SET attachment = '\\x41' WHERE user_id = 'u2'"))
+    before = _att(settings)
+    run_ids = []
+    for user in ("u1", "u2"):
+        outcome = dream_user(settings, user)
+        assert outcome.entries_pruned == 1
+        run_ids.append(outcome.run_id)
+    for run_id in run_ids:
+        assert run_id is not None
+        with session_scope(settings) as session:
+            assert restore_run(session, table_for(settings), run_id).restored == 1
+    after = _att(settings)
+    assert after == before
+
+
+def _att(settings: Settings) -> list[tuple[Any, ...]]:
+    with session_scope(settings) as session:
+        return [
+            tuple(r)
+            for r in session.execute(
+                text("SELECT user_id, attachment, typeof(attachment) FROM usermemories ORDER BY user_id")
+            )
+        ]

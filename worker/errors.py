@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from types import TracebackType
 
 
 class ReverieError(Exception):
@@ -113,33 +115,93 @@ class LexiconInvalid(ConfigError):
         super().__init__(f"key lexicon {path}: {reason}")
 
 
+#: Where Reverie's own code lives: a traceback's frames under it are ours.
+_PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGES = tuple(os.path.join(_PROJECT, name) + os.sep for name in ("worker", "tasks", "store", "schedules"))
+
+
 def raised_at(exc: BaseException) -> str:
-    """Where ``exc`` was raised (the innermost frame's file and line)."""
+    """Where ``exc`` was raised: the innermost frame of Reverie's own code (relative to
+    the project), and the innermost frame of all where that is a library's."""
+    ours = last = None
     frame = exc.__traceback__
-    while frame is not None and frame.tb_next is not None:
+    while frame is not None:
+        last = frame
+        if frame.tb_frame.f_code.co_filename.startswith(_PACKAGES):
+            ours = frame
         frame = frame.tb_next
-    return f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else "?"
+    if last is None:
+        return "?"
+    where = [] if ours is None else [_frame_text(ours)]
+    if last is not ours:
+        where.append(("in " if where else "") + _frame_text(last))
+    return " ".join(where)
 
 
-#: A value the database quotes at the end of its message (``invalid input syntax for
-#: type integer: "abc"``).
-_QUOTED_AT_END = re.compile(r':\s*"[^\n]*"\s*$')
+def _frame_text(frame: TracebackType) -> str:
+    name = frame.tb_frame.f_code.co_filename
+    if name.startswith(_PACKAGES):
+        name = os.path.relpath(name, _PROJECT)
+    else:
+        parts = name.split(os.sep)
+        # A library's file from its package on (site-packages/<package>/...); the
+        # standard library's as <package>/<file>.
+        markers = [i for i, part in enumerate(parts) if part in ("site-packages", "dist-packages")]
+        name = os.sep.join(parts[markers[-1] + 1 :] if markers else parts[-2:])
+    return f"{name}:{frame.tb_lineno}"
+
+
+#: A quoted span of a database's message (the value it could not take: ``invalid input
+#: syntax for type integer: "abc"``), to its closing quote or the message's end.
+_QUOTED = re.compile(r"\"[^\"]*(?:\"|$)|'[^']*(?:'|$)", re.DOTALL)
 
 
 def describe(exc: BaseException) -> str:
     """One line on an error that may be kept and logged: no memory value in it.
 
-    Reverie's own errors are written to be safe and say what is wrong. A database's
-    error keeps its driver's first line, which names the constraint, column or type
-    (what an operator needs), without the detail lines under it (``Failing row
-    contains ...``, ``Key (...)=(...)``), the statement's parameters, or a value quoted
-    at its end. Anything else (a bug, input nothing foresaw) is named by its type and
-    where it was raised: its message may quote the values it was handed."""
+    - Reverie's own errors are written to be safe and say what is wrong.
+    - A database's error (PostgreSQL's through psycopg) is named by its class, its
+      SQLSTATE and the names of the constraint, table, column and type it concerns:
+      what an operator needs, never the message, whose text and detail lines can quote
+      the rows (``Failing row contains ...``, ``Key (...)=(...)``, the value a type
+      refused). Another driver's message is kept with every quoted span taken out.
+    - SQLAlchemy's own errors (a pool timeout) and the operating system's say nothing
+      of the rows: their first line is kept.
+    - Anything else (a bug, input nothing foresaw) is named by its type and where it was
+      raised: its message may quote the values it was handed."""
     if isinstance(exc, ReverieError):
         return str(exc)
     orig = getattr(exc, "orig", None)
     if isinstance(orig, BaseException):
-        lines = str(orig).strip().splitlines()
-        first = _QUOTED_AT_END.sub(': "…"', lines[0]) if lines else ""
-        return f"{type(exc).__name__}: {type(orig).__name__}: {first}".rstrip(": ")
+        diag = getattr(orig, "diag", None)
+        sqlstate = getattr(orig, "sqlstate", None)
+        if diag is not None and sqlstate:
+            names = [
+                f"{label} {value}"
+                for label, value in (
+                    ("constraint", diag.constraint_name),
+                    ("table", diag.table_name),
+                    ("column", diag.column_name),
+                    ("type", diag.datatype_name),
+                )
+                if value
+            ]
+            said = ", ".join([f"SQLSTATE {sqlstate}", *names])
+            return f"{type(exc).__name__}: {type(orig).__name__} ({said})"
+        if _is_driver_error(orig):
+            first = _first_line(orig)
+            return f"{type(exc).__name__}: {type(orig).__name__}: {_QUOTED.sub('…', first)}".rstrip(": ")
+        return f"{type(exc).__name__}: {type(orig).__name__} at {raised_at(orig)}"
+    if type(exc).__module__.startswith("sqlalchemy") or isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {_first_line(exc)}".rstrip(": ")
     return f"{type(exc).__name__} at {raised_at(exc)}"
+
+
+def _is_driver_error(exc: BaseException) -> bool:
+    """A DB-API driver's error (sqlite3's, psycopg's): its message is the database's."""
+    return type(exc).__module__.split(".")[0] in ("sqlite3", "psycopg")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
