@@ -57,9 +57,15 @@ def test_a_value_a_signal_overwrote_comes_back_with_restore_signal(pg_settings: 
     assert _values(pg_settings) == {"favorite_color": "blue"}
     with session_scope(pg_settings) as session:
         undone = session.execute(
-            select(ArchivedEntry.reason, ArchivedEntry.row).where(ArchivedEntry.reason == "restore")
+            select(ArchivedEntry.reason, ArchivedEntry.row, ArchivedEntry.signal_id).where(
+                ArchivedEntry.reason.in_(("restore", "restore_replace"))
+            )
         )
-        assert sorted(row["value"] for _, row in undone) == ["Oslo", "green"]
+        # Under the signal, for an undo: the entry taken out, the row a value was put back on.
+        assert sorted((row["value"], reason, signal) for reason, row, signal in undone) == [
+            ("Oslo", "restore", overwrite),
+            ("green", "restore_replace", overwrite),
+        ]
         assert session.scalars(select(Event.source).where(Event.action == "restore")).all() == ["restore"]
 
     again = _restore(pg_settings, "--signal", str(overwrite))
@@ -342,3 +348,17 @@ def test_sqlite_an_application_delete_landing_while_an_overwrite_is_restored_wai
     assert waited == [True]
     assert result.restored == 1 and rows == []
     assert [r.restored_at is not None for r in pending if r.reason == "replace"] == [True]
+
+
+def test_restore_undo_through_the_command_line(pg_settings: Settings) -> None:
+    _said(pg_settings, "My favorite color is blue.", "c-1")
+    overwrite = _said(pg_settings, "My favorite color is green. My home city is Oslo.", "c-2")
+    assert _restore(pg_settings, "--signal", str(overwrite)).returncode == 0
+    assert _values(pg_settings) == {"favorite_color": "blue"}
+
+    undone = _restore(pg_settings, "--signal", str(overwrite), "--undo")
+    assert undone.returncode == 0, undone.stderr
+    assert f"signal {overwrite}: undid its restore: took out 0 entries it had put back, wrote back 2" in undone.stdout
+    assert _values(pg_settings) == {"favorite_color": "green", "home_city": "Oslo"}
+    assert_one_line_error(_restore(pg_settings, "--undo"), "--run", "--signal")
+    assert_one_line_error(_restore(pg_settings, "--run", "424242", "--undo"), "424242")
