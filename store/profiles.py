@@ -611,6 +611,17 @@ def replace_profiles(session: Session, user_ids: Collection[str], rows: Iterable
     return insert_rows(session, Profile, fresh)
 
 
+def model_written(session: Session, user_ids: Collection[str]) -> list[tuple[str, str]]:
+    """(user, agent) of each of the users' profiles the model wrote (one indexed look)."""
+    users = sorted(set(user_ids))
+    if not users:
+        return []
+    stmt = select(Profile.user_id, Profile.agent_id).where(
+        among(session, Profile.user_id, users), Profile.layout["writer"].as_string() == "model"
+    )
+    return [(user_id, agent_id) for user_id, agent_id in session.execute(stmt).all()]
+
+
 def texts(session: Session, user_ids: Collection[str]) -> dict[tuple[str, str], str]:
     """The stored text of every profile of ``user_ids``, keyed by (user, agent)."""
     users = sorted(set(user_ids))

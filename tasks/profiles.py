@@ -272,11 +272,20 @@ def plan(
     Staleness is judged on the database's clock, the one every host shares."""
     table = table_for(settings)
     at = db_now(session)
+    # A profile the model wrote for an agent whose policy no longer has it written by
+    # the model is built again now, whether or not the memory changed: turning the
+    # model writer off takes effect at the next pass. (Turning it on waits for the
+    # user's next change: it costs a model call per profile.)
+    withdrawn = {
+        user_id
+        for user_id, agent in profile_store.model_written(session, user_ids)
+        if not book.for_agent(agent or None).writes_profiles_with_model
+    }
     found = profile_store.read_for_build(
         session,
         table,
         user_ids,
-        changed=changed,
+        changed={*changed, *withdrawn},
         agent_cutoffs={agent: _cutoff(policy, at) for agent, policy in book.agents.items()},
         default_cutoff=_cutoff(book.default, at),
         protected_categories=settings.protected_category_set,

@@ -1450,3 +1450,19 @@ def test_a_value_nested_deeper_than_python_reads_costs_no_other_user_their_profi
     dream_users(pg_settings, ["u1", "u2"])
     assert "- home city: Lisbon" in get_for_prompt("u1", settings=pg_settings).text
     assert fmt_value_text(json.loads("[" * 500 + "]" * 500)).startswith("[[[")
+
+
+def test_turning_the_model_writer_off_rebuilds_its_profiles_at_the_next_pass(pg_settings: Settings) -> None:
+    """No memory changed: the model's profiles go the moment its policy is off, not at
+    the user's next change (an operator turns it off for a reason)."""
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(settings, _about("u1"))
+    dream_users(settings, ["u1"])
+    assert _stored(settings, "u1")[""].layout["writer"] == "model"
+    dream_users(settings, ["u1"])  # still on: nothing changed, nothing rebuilt
+    assert dream_users(settings, ["u1"])[0].profiles_built == 0
+
+    off = settings.model_copy(update={"profile_writer": "deterministic"})
+    assert dream_users(off, ["u1"])[0].profiles_built == 1
+    assert _stored(off, "u1")[""].layout["writer"] == "deterministic"
+    assert dream_users(off, ["u1"])[0].profiles_built == 0
