@@ -44,6 +44,10 @@ SIGNAL_STATUSES = ("pending", "processing", "done", "rejected", "failed", "dead"
 RUN_STATUSES = ("running", "succeeded", "failed", "skipped")
 RUN_RUNNING = "status = 'running'"
 EVENT_RESTORE = "action = 'restore'"
+#: A profile the model wrote (the predicate of its partial index, per database).
+PG_MODEL_WRITTEN = "(layout ->> 'writer') = 'model'"
+SQLITE_MODEL_WRITTEN = "json_extract(layout, '$.writer') = 'model'"
+_PG_MODEL_WRITTEN, _SQLITE_MODEL_WRITTEN = text(PG_MODEL_WRITTEN), text(SQLITE_MODEL_WRITTEN)
 #: Signals whose payload retention may empty: finished for good, payload still there.
 FINISHED_WITH_PAYLOAD = "status IN ('done', 'rejected') AND payload_purged_at IS NULL"
 
@@ -435,6 +439,17 @@ class Profile(Base):
     source_recalls: Mapped[int] = mapped_column(BigId, server_default="0")
     source_conflicted: Mapped[int] = mapped_column(Integer, server_default="0")
     source_content: Mapped[int] = mapped_column(BigId, server_default="0")
+
+    __table_args__ = (
+        # The profiles the model wrote (``store.profiles.model_written``), and only those.
+        Index(
+            "ix_dream_profiles_model_written",
+            "user_id",
+            # Not text(): the class's own ``text`` column shadows it here.
+            postgresql_where=_PG_MODEL_WRITTEN,
+            sqlite_where=_SQLITE_MODEL_WRITTEN,
+        ),
+    )
 
 
 DREAM_TABLES: tuple[Table, ...] = tuple(Base.metadata.sorted_tables)

@@ -47,7 +47,7 @@ from sqlalchemy.orm import Session
 from store.bulk import insert_rows
 from store.db import SQLITE_HASH, driver_cursor
 from store.entry_state import prunable_where, users_in
-from store.models import EntryState, Profile, query_name
+from store.models import PG_MODEL_WRITTEN, SQLITE_MODEL_WRITTEN, EntryState, Profile, query_name
 
 #: ``agent_id`` of the agent-less profile (global entries only).
 NO_AGENT = ""
@@ -616,9 +616,10 @@ def model_written(session: Session, user_ids: Collection[str]) -> list[tuple[str
     users = sorted(set(user_ids))
     if not users:
         return []
-    stmt = select(Profile.user_id, Profile.agent_id).where(
-        among(session, Profile.user_id, users), Profile.layout["writer"].as_string() == "model"
-    )
+    # The partial index's own predicate, word for word, so the planner takes the index.
+    postgres = session.get_bind().dialect.name == "postgresql"
+    written = text(PG_MODEL_WRITTEN if postgres else SQLITE_MODEL_WRITTEN)
+    stmt = select(Profile.user_id, Profile.agent_id).where(among(session, Profile.user_id, users), written)
     return [(user_id, agent_id) for user_id, agent_id in session.execute(stmt).all()]
 
 
