@@ -22,7 +22,7 @@ restore`` rebuilds their profiles at once).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -95,36 +95,6 @@ def restore_signal(session: Session, table: Table, signal_id: int) -> Restored:
     )
 
 
-@dataclass(frozen=True)
-class Undone:
-    """What undoing a restore did: ``taken_out``, the entries it had put back, removed
-    again; ``put_back``, the values it had overwritten and the entries it had taken
-    out, written again; ``changed_since``, rows the application changed after the
-    restore (left as they are)."""
-
-    run_id: int | None
-    signal_id: int | None
-    taken_out: int
-    put_back: int
-    changed_since: int
-    conflicts: int
-    users: tuple[str, ...] = ()
-
-
-def undo_restore_run(session: Session, table: Table, run_id: int) -> Undone:
-    """Undo ``reverie restore --run``: the memory is as it was before the restore, the
-    run's work in it again (idempotent; ``restore --run`` may then be run again)."""
-    if session.get(Run, run_id) is None:
-        raise NotFound("run", run_id)
-    return _undo(session, table, ArchivedEntry.run_id == run_id, run_id=run_id)
-
-
-def undo_restore_signal(session: Session, table: Table, signal_id: int) -> Undone:
-    """Undo ``reverie restore --signal`` (see :func:`undo_restore_run`)."""
-    _known_signal(session, signal_id)
-    return _undo(session, table, ArchivedEntry.signal_id == signal_id, signal_id=signal_id)
-
-
 def _known_signal(session: Session, signal_id: int) -> None:
     known = session.get(Signal, signal_id) is not None or (
         session.scalar(select(Event.id).where(Event.signal_id == signal_id).limit(1)) is not None
@@ -146,25 +116,20 @@ def _restore(
     # the rows it looks at), so an application edit never lands between the two.
     hold_writes(session)
     writes = _Writer(session, table, run_id=run_id, signal_id=signal_id)
-    removed, kept = _take_out_inserts(session, table, events_of, run_id=run_id, signal_id=signal_id)
+    removed, kept, inserted = _take_out_inserts(session, table, events_of, run_id=run_id, signal_id=signal_id)
+    gone = {(r.user_id, r.entry_id) for r in removed}
     archived = session.execute(
         select(ArchivedEntry.id, ArchivedEntry.user_id, ArchivedEntry.entry_id, ArchivedEntry.reason, ArchivedEntry.row)
         .where(archived_of, ArchivedEntry.restored_at.is_(None), ArchivedEntry.reason.in_(RESTORABLE))
         .order_by(ArchivedEntry.id)
     ).all()
-    # An entry overwritten twice by one run or signal comes back as it was before the first.
-    # Entries are named by (user id, entry id): the host may number its rows per user.
-    first_replace: dict[tuple[str, str], list[int]] = {}
-    for archive_id, user_id, entry_id, reason, _ in archived:
-        if reason == "replace":
-            first_replace.setdefault((user_id, entry_id), []).append(archive_id)
-    restored: list[int] = []
+    first_replace, restored = _replaces(session, table, archived, inserted, gone)
     conflicts = 0
     for archive_id, user_id, entry_id, reason, raw in archived:
         data = json.loads(raw) if isinstance(raw, str) else dict(raw)
         if reason == "replace":
-            ids = first_replace[(user_id, entry_id)]
-            if archive_id != ids[0]:
+            ids = first_replace.get((user_id, entry_id), [])
+            if not ids or archive_id != ids[0]:
                 continue
             outcome = writes.put_back_value(data, _written_at(session, events_of, user_id, entry_id, "update"))
             if outcome == "changed":
@@ -196,181 +161,57 @@ def _restore(
     )
 
 
-#: The archive reasons of what a restore itself took out (``restore``: an entry the run
-#: or signal had inserted) or overwrote (``restore_replace``: a row as it was just before
-#: a value was put back on it), kept under the run or signal for an undo.
-RESTORE_REASONS = ("restore", "restore_replace")
-
-
-def _undo(
-    session: Session,
-    table: Table,
-    archived_of: ColumnElement[bool],
-    *,
-    run_id: int | None = None,
-    signal_id: int | None = None,
-) -> Undone:
-    """Undo the last restore of a run or signal, from the archive alone:
-
-    - an entry the restore inserted again (an original with ``restored_at`` set, not
-      put back in place) is taken out again, archived (reason ``undo``), while it holds
-      what was put back (its ``updated_at`` unchanged); the original is restorable again;
-    - a value it put back in place gets the value it overwrote again (its
-      ``restore_replace`` row), while the row holds what was put back;
-    - an entry it took out (its ``restore`` row) is inserted again, whole.
-    A row the application changed after the restore is left as it is, and counted."""
-    hold_writes(session)  # SQLite: as a restore does
-    found = session.execute(
-        select(
-            ArchivedEntry.id,
-            ArchivedEntry.user_id,
-            ArchivedEntry.entry_id,
-            ArchivedEntry.reason,
-            ArchivedEntry.row,
-            ArchivedEntry.restored_at,
-        )
-        .where(archived_of, ArchivedEntry.reason.in_((*RESTORABLE, *RESTORE_REASONS)))
-        .order_by(ArchivedEntry.id)
-    ).all()
-    undo = _Undo(session, table, run_id=run_id, signal_id=signal_id)
-    own = [r for r in found if r.reason in RESTORE_REASONS and r.restored_at is None]
-    for r in found:
-        if r.reason in RESTORABLE and r.restored_at is not None:
-            undo.originals.setdefault((r.user_id, r.entry_id), []).append(r)
-    # An entry whose value was put back in place has a restore_replace row; the other
-    # originals were inserted again.
-    in_place = {(r.user_id, r.entry_id) for r in own if r.reason == "restore_replace"}
-    for entry, rows in undo.originals.items():
-        if entry not in in_place:
-            undo.take_out(entry, rows)
-    for r in own:
-        undo.write_back(r)
-    return undo.finish()
-
-
-class _Undo:
-    """The steps of :func:`_undo`, and what they did."""
-
-    def __init__(self, session: Session, table: Table, *, run_id: int | None, signal_id: int | None) -> None:
-        self.session = session
-        self.table = table
-        self.run_id = run_id
-        self.signal_id = signal_id
-        self.writes = _Writer(session, table, run_id=run_id, signal_id=signal_id, overwritten="undo", source="undo")
-        #: The originals the restore wrote back, by entry.
-        self.originals: dict[tuple[str, str], list[Any]] = {}
-        self.reopened: list[int] = []  # originals a restore may put back again
-        self.undone: list[int] = []  # the restore's own rows, written back
-        self.taken: list[Removed] = []
-        self.changed = 0
-        self.conflicts = 0
-
-    def take_out(self, entry: tuple[str, str], rows: list[Any]) -> None:
-        """Take out an entry the restore inserted again, while it holds what was put back."""
-        this = one_entry(self.table, *entry)
-        current = self.session.execute(select(self.table.c.updated_at).where(this).with_for_update()).first()
-        if current is not None and not _same_time(current.updated_at, _data(rows[0].row).get("updated_at")):
-            self.changed += 1
-            return
-        if current is not None:
-            self.taken += remove_entries(
-                self.session,
-                self.table,
-                this,
-                reason="undo",
-                source="undo",
-                run_id=self.run_id,
-                signal_id=self.signal_id,
-            )
-        self.reopened += [r.id for r in rows]
-
-    def write_back(self, own: Any) -> None:
-        """Write back what the restore took out (``restore``) or overwrote (``restore_replace``)."""
-        data = _data(own.row)
-        put_back = self.originals.get((own.user_id, own.entry_id), [])
-        if own.reason == "restore_replace":
-            restored = _time(_data(put_back[0].row).get("updated_at")) if put_back else None
-            outcome = self.writes.put_back_value(data, restored)
-            if outcome == "changed":
-                self.changed += 1
-                return
-            if outcome == "put back":
-                self.undone.append(own.id)
-                self.reopened += [o.id for o in put_back]
-                return
-        clash = self.session.scalar(select(self.table.c.id).where(_clash(self.table, data)).limit(1))
-        if clash is not None or not self.writes.insert(data):
-            self.conflicts += 1
-            return
-        self.undone.append(own.id)
-        self.reopened += [o.id for o in put_back]
-
-    def finish(self) -> Undone:
-        if self.undone:
-            self.session.execute(
-                update(ArchivedEntry).where(ArchivedEntry.id.in_(self.undone)).values(restored_at=now())
-            )
-        if self.reopened:
-            self.session.execute(
-                update(ArchivedEntry).where(ArchivedEntry.id.in_(self.reopened)).values(restored_at=None)
-            )
-        self.writes.finish()
-        return Undone(
-            run_id=self.run_id,
-            signal_id=self.signal_id,
-            taken_out=len(self.taken),
-            put_back=self.writes.count,
-            changed_since=self.changed,
-            conflicts=self.conflicts,
-            users=tuple(sorted({r.user_id for r in (*self.writes.done, *self.taken)})),
-        )
-
-
-def _data(raw: Any) -> dict[str, Any]:
-    return json.loads(raw) if isinstance(raw, str) else dict(raw)
-
-
-def _time(value: Any) -> datetime | None:
-    """A time as the archive's JSON holds it (ISO text), naive UTC; None if it holds none."""
-    if isinstance(value, datetime):
-        return naive_utc(value)
-    if not isinstance(value, str):
-        return None
-    try:
-        return naive_utc(datetime.fromisoformat(value))
-    except ValueError:
-        return None
-
-
-def _same_time(current: datetime | None, archived: Any) -> bool:
-    """Whether a row's time is the one the archive holds for it."""
-    held = _time(archived)
-    return held is not None and current is not None and naive_utc(current) == held
+def _replaces(
+    session: Session, table: Table, archived: Sequence[Any], inserted: set[tuple[str, str]], gone: set[tuple[str, str]]
+) -> tuple[dict[tuple[str, str], list[int]], list[int]]:
+    """The archived overwrites to put back, by entry (archive ids, oldest first: an entry
+    overwritten twice by one run or signal comes back as it was before the first), and
+    the ids of those never put back, done with: values of an entry the run or signal
+    added and then wrote again, which goes (taken out, or left as the application
+    changed it). Entries are named by (user id, entry id): the host may number its rows
+    per user."""
+    first_replace: dict[tuple[str, str], list[int]] = {}
+    for archive_id, user_id, entry_id, reason, _ in archived:
+        if reason == "replace":
+            first_replace.setdefault((user_id, entry_id), []).append(archive_id)
+    done: list[int] = []
+    for entry in inserted & first_replace.keys():
+        ids = first_replace.pop(entry)
+        if entry in gone or _absent(session, table, *entry):
+            done += ids
+    return first_replace, done
 
 
 def _take_out_inserts(
     session: Session, table: Table, events_of: ColumnElement[bool], *, run_id: int | None, signal_id: int | None
-) -> tuple[list[Removed], int]:
-    """Remove the entries the run or signal inserted and nobody changed since (archived
-    under that run or signal, reason ``restore``, for an undo to put back); returns
-    what was removed and how many were left in place because they changed."""
-    inserted = (
-        select(Event.user_id, Event.entry_id, Event.at).where(events_of, Event.action == "insert").subquery("inserted")
+) -> tuple[list[Removed], int, set[tuple[str, str]]]:
+    """Remove the entries the run or signal inserted and nobody changed since: their
+    ``updated_at`` is the one the run or signal's last write to them left (a signal may
+    write an entry it added again). Archived under that run or signal, reason
+    ``restore``. Returns what was removed, how many were left in place because they
+    changed, and every (user, entry) the run or signal inserted."""
+    inserted = select(Event.user_id, Event.entry_id).where(events_of, Event.action == "insert")
+    last_write = (
+        select(Event.user_id, Event.entry_id, func.max(Event.at).label("at"))
+        .where(events_of, Event.action.in_(("insert", "update")), tuple_(Event.user_id, Event.entry_id).in_(inserted))
+        .group_by(Event.user_id, Event.entry_id)
+        .subquery("last_write")
     )
-    untouched = select(inserted.c.entry_id).where(
-        inserted.c.entry_id == table.c.id, inserted.c.user_id == table.c.user_id, inserted.c.at == table.c.updated_at
+    untouched = select(last_write.c.entry_id).where(
+        last_write.c.entry_id == table.c.id,
+        last_write.c.user_id == table.c.user_id,
+        last_write.c.at == table.c.updated_at,
     )
     entry = tuple_(table.c.user_id, table.c.id)
-    present = int(
-        session.scalar(
-            select(func.count()).select_from(table).where(entry.in_(select(inserted.c.user_id, inserted.c.entry_id)))
-        )
-        or 0
-    )
+    present = int(session.scalar(select(func.count()).select_from(table).where(entry.in_(inserted))) or 0)
     removed = remove_entries(
         session, table, untouched.exists(), reason="restore", source="restore", run_id=run_id, signal_id=signal_id
     )
-    return removed, present - len(removed)
+    return removed, present - len(removed), {(u, e) for u, e in session.execute(inserted).all()}
+
+
+def _absent(session: Session, table: Table, user_id: str, entry_id: str) -> bool:
+    return session.scalar(select(table.c.id).where(one_entry(table, user_id, entry_id))) is None
 
 
 def _written_at(
@@ -387,24 +228,11 @@ def _written_at(
 class _Writer:
     """Puts archived rows back, whole, and records what it did."""
 
-    def __init__(
-        self,
-        session: Session,
-        table: Table,
-        *,
-        run_id: int | None,
-        signal_id: int | None,
-        overwritten: str = "restore_replace",
-        source: str = "restore",
-    ) -> None:
+    def __init__(self, session: Session, table: Table, *, run_id: int | None, signal_id: int | None) -> None:
         self.session = session
         self.table = table
         self.run_id = run_id
         self.signal_id = signal_id
-        #: The archive reason of a row whose columns are put back in place (kept as it
-        #: was just before, under the run or signal), and the source of the events.
-        self.overwritten = overwritten
-        self.source = source
         # The database's clock: a restore's time is compared with the times other hosts
         # write (a host's later write to the row makes it a row like any other again).
         self.at = db_now(session)
@@ -435,7 +263,8 @@ class _Writer:
             return "missing"
         if written_at is None or current.updated_at is None or naive_utc(current.updated_at) != naive_utc(written_at):
             return "changed"
-        archive_rows(self.session, table, this, reason=self.overwritten, run_id=self.run_id, signal_id=self.signal_id)
+        # The row as it was just before, kept under the run or signal (reason restore_replace).
+        archive_rows(self.session, table, this, reason="restore_replace", run_id=self.run_id, signal_id=self.signal_id)
         columns = [name for name in OVERWRITTEN_COLUMNS if name in data]
         if self.postgres:
             # As the insert does: PostgreSQL turns the JSON back into the columns' own types.
@@ -517,7 +346,7 @@ class _Writer:
             self.session,
             self.done,
             action="restore",
-            source=self.source,
+            source="restore",
             run_id=self.run_id,
             signal_id=self.signal_id,
             at=self.at,

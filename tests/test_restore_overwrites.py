@@ -350,15 +350,22 @@ def test_sqlite_an_application_delete_landing_while_an_overwrite_is_restored_wai
     assert [r.restored_at is not None for r in pending if r.reason == "replace"] == [True]
 
 
-def test_restore_undo_through_the_command_line(pg_settings: Settings) -> None:
-    _said(pg_settings, "My favorite color is blue.", "c-1")
-    overwrite = _said(pg_settings, "My favorite color is green. My home city is Oslo.", "c-2")
-    assert _restore(pg_settings, "--signal", str(overwrite)).returncode == 0
-    assert _values(pg_settings) == {"favorite_color": "blue"}
-
-    undone = _restore(pg_settings, "--signal", str(overwrite), "--undo")
-    assert undone.returncode == 0, undone.stderr
-    assert f"signal {overwrite}: undid its restore: took out 0 entries it had put back, wrote back 2" in undone.stdout
-    assert _values(pg_settings) == {"favorite_color": "green", "home_city": "Oslo"}
-    assert_one_line_error(_restore(pg_settings, "--undo"), "--run", "--signal")
-    assert_one_line_error(_restore(pg_settings, "--run", "424242", "--undo"), "424242")
+def test_an_entry_a_signal_inserted_and_then_rewrote_is_taken_out_by_its_restore(store_settings: Settings) -> None:
+    """The signal's own second write is not the application's change: the restore
+    takes the entry out, as it does any entry the signal added."""
+    table = table_for(store_settings)
+    _write(store_settings, "A", 1)
+    with session_scope(store_settings) as session:
+        for value in ("Oslo", "Bergen"):
+            upsert_entry(
+                session, table, user_id="u1", key="home", value=value, category="fact",
+                source="session_end", source_agent_id="agent-a", signal_id=2,
+            )  # fmt: skip
+    with session_scope(store_settings) as session:
+        result = restore_signal(session, table, 2)
+    assert (result.removed_inserts, result.changed_since, result.restored) == (1, 0, 0)
+    with session_scope(store_settings) as session:
+        assert {r.key: r.value for r in session.execute(select(table.c.key, table.c.value))} == {"seat": "A"}
+    with session_scope(store_settings) as session:
+        again = restore_signal(session, table, 2)
+    assert (again.removed_inserts, again.changed_since, again.restored) == (0, 0, 0)

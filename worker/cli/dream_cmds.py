@@ -115,52 +115,23 @@ def restore(
     signal_id: Annotated[
         int | None, typer.Option("--signal", help="The id of a signal whose writes to undo.", min=1)
     ] = None,
-    undo: Annotated[
-        bool,
-        typer.Option(
-            "--undo",
-            help="Undo the last restore of that run or signal instead: its work is back in memory, "
-            "and it can be restored again.",
-        ),
-    ] = False,
 ) -> None:
     """Put back every row a run or a signal archived (and take out the entries it wrote)."""
-    from store.archive import restore_run, restore_signal, undo_restore_run, undo_restore_signal
+    from store.archive import restore_run, restore_signal
     from store.db import session_scope
     from store.memories import table_for
 
     if (run_id is None) == (signal_id is None):
         fail("give exactly one of --run and --signal", code=2)
     settings = load_settings()
-    what = f"run {run_id}" if run_id is not None else f"signal {signal_id}"
     with session_scope(settings) as session:
-        table = table_for(settings)
-        if undo:
-            undone = (
-                undo_restore_run(session, table, run_id)
-                if run_id is not None
-                else undo_restore_signal(session, table, signal_id or 0)
-            )
-        elif run_id is not None:
-            result = restore_run(session, table, run_id)
+        if run_id is not None:
+            result = restore_run(session, table_for(settings), run_id)
         else:
             assert signal_id is not None
-            result = restore_signal(session, table, signal_id)
-    if undo:
-        rebuilt = _rebuild_profiles(settings, undone.users)
-        print(
-            f"{what}: undid its restore: took out {undone.taken_out} entries it had put back, "
-            f"wrote back {undone.put_back} it had taken out or overwritten"
-            + (f", {undone.conflicts} left archived (their key is taken again)" if undone.conflicts else "")
-            + (
-                f", {undone.changed_since} left in place (changed by the application since the restore)"
-                if undone.changed_since
-                else ""
-            )
-            + (f"; {rebuilt} profiles rebuilt" if rebuilt else "")
-        )
-        return
+            result = restore_signal(session, table_for(settings), signal_id)
     rebuilt = _rebuild_profiles(settings, result.users)
+    what = f"run {run_id}" if run_id is not None else f"signal {signal_id}"
     print(
         f"{what}: restored {result.restored} entries, took out {result.removed_inserts} it wrote"
         + (f", {result.conflicts} left archived (their key is taken again)" if result.conflicts else "")
