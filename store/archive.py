@@ -267,15 +267,12 @@ class _Writer:
         archive_rows(self.session, table, this, reason="restore_replace", run_id=self.run_id, signal_id=self.signal_id)
         columns = [name for name in OVERWRITTEN_COLUMNS if name in data]
         if self.postgres:
-            # As the insert does: PostgreSQL turns the JSON back into the columns' own types.
-            preparer = self.session.get_bind().dialect.identifier_preparer
-            names = ", ".join(preparer.quote(name) for name in columns)
-            name = quoted_name(self.session, self.table)
+            name, names, archived = self._pg_archived(columns)
+            quote = self.session.get_bind().dialect.identifier_preparer.quote
             result = self.session.execute(
                 text(
-                    f"UPDATE {name} SET ({names}) = (SELECT {names} "
-                    f"FROM jsonb_populate_record(NULL::{name}, CAST(:row AS jsonb))) "
-                    f"WHERE {preparer.quote('user_id')} = :user_id AND {preparer.quote('id')} = :id"
+                    f"UPDATE {name} SET ({names}) = ({archived}) "
+                    f"WHERE {quote('user_id')} = :user_id AND {quote('id')} = :id"
                 ),
                 {"row": json.dumps(data), "user_id": data["user_id"], "id": data["id"]},
             )
@@ -302,16 +299,9 @@ class _Writer:
             ]
         columns = [name for name in self._host_columns if name in data]
         if self.postgres:
-            # PostgreSQL turns the JSON back into the table's own column types.
-            preparer = self.session.get_bind().dialect.identifier_preparer
-            names = ", ".join(preparer.quote(name) for name in columns)
-            name = quoted_name(self.session, self.table)
+            name, names, archived = self._pg_archived(columns)
             result = self.session.execute(
-                text(
-                    f"INSERT INTO {name} ({names}) SELECT {names} "
-                    f"FROM jsonb_populate_record(NULL::{name}, CAST(:row AS jsonb)) ON CONFLICT DO NOTHING"
-                ),
-                {"row": json.dumps(data)},
+                text(f"INSERT INTO {name} ({names}) {archived} ON CONFLICT DO NOTHING"), {"row": json.dumps(data)}
             )
         else:
             row = self._sqlite_values(data, columns)
@@ -320,6 +310,15 @@ class _Writer:
             return False
         self._done(data)
         return True
+
+    def _pg_archived(self, columns: list[str]) -> tuple[str, str, str]:
+        """The table's quoted name, the columns' quoted names, and a ``SELECT`` of those
+        columns of the archived row given as ``:row`` (PostgreSQL turns the JSON back
+        into the table's own column types)."""
+        quote = self.session.get_bind().dialect.identifier_preparer.quote
+        name = quoted_name(self.session, self.table)
+        names = ", ".join(quote(column) for column in columns)
+        return name, names, f"SELECT {names} FROM jsonb_populate_record(NULL::{name}, CAST(:row AS jsonb))"
 
     def _done(self, data: dict[str, Any], *, recalls: int | None = None) -> None:
         self.done.append(Removed(data["id"], data["user_id"], data["key"]))

@@ -96,18 +96,11 @@ def test_restore_needs_exactly_one_of_run_and_signal(pg_settings: Settings) -> N
 
 def test_restore_signal_puts_back_the_whole_row_on_both_backends(store_settings: Settings) -> None:
     from store.archive import restore_signal
-    from store.memories import upsert_entry
 
     table = table_for(store_settings)
 
     def write(value: str, signal_id: int) -> str:
-        with session_scope(store_settings) as session:
-            done = upsert_entry(
-                session, table, user_id="alice", key="seat", value=value, category="fact", source="session_end",
-                source_agent_id="agent-a", signal_id=signal_id,
-            )  # fmt: skip
-        assert done.entry_id is not None
-        return done.entry_id
+        return _write(store_settings, value, signal_id, user_id="alice")
 
     entry_id = write("aisle", 1)
     before = {row.key: row._asdict() for row in memories(store_settings, "alice")}
@@ -140,19 +133,12 @@ def notes_on_entries(store_settings: Settings) -> Iterator[Settings]:
 
 def test_restoring_an_overwrite_keeps_the_host_rows_that_hang_off_the_entry(notes_on_entries: Settings) -> None:
     from store.archive import restore_signal
-    from store.memories import upsert_entry
 
     settings = notes_on_entries
     table = table_for(settings)
 
     def write(value: str, signal_id: int) -> str:
-        with session_scope(settings) as session:
-            done = upsert_entry(
-                session, table, user_id="alice", key="seat", value=value, category="fact", source="session_end",
-                source_agent_id="agent-a", signal_id=signal_id,
-            )  # fmt: skip
-        assert done.entry_id is not None
-        return done.entry_id
+        return _write(settings, value, signal_id, user_id="alice")
 
     entry_id = write("aisle", 1)
     with session_scope(settings) as session:
@@ -173,30 +159,8 @@ def test_sqlite_an_edit_landing_while_an_overwrite_is_restored_is_not_overwritte
 ) -> None:
     settings = sqlite_settings
     table = table_for(settings)
-    with session_scope(settings) as session:
-        upsert_entry(
-            session,
-            table,
-            user_id="u1",
-            key="seat",
-            value="aisle",
-            category="fact",
-            source="session_end",
-            source_agent_id="agent-a",
-            signal_id=1,
-        )
-    with session_scope(settings) as session:
-        upsert_entry(
-            session,
-            table,
-            user_id="u1",
-            key="seat",
-            value="window",
-            category="fact",
-            source="session_end",
-            source_agent_id="agent-a",
-            signal_id=2,
-        )
+    _write(settings, "aisle", 1)
+    _write(settings, "window", 2)
     real = store.archive.archive_rows
     edits: list[threading.Thread] = []
 
@@ -232,42 +196,10 @@ def test_sqlite_an_edit_landing_while_an_overwrite_is_restored_is_not_overwritte
 def test_sqlite_a_string_value_that_looks_like_json_is_restored_as_a_string(store_settings: Settings) -> None:
     settings = store_settings
     table = table_for(settings)
-    with session_scope(settings) as session:
-        upsert_entry(
-            session,
-            table,
-            user_id="u1",
-            key="pin",
-            value="0042",
-            category="fact",
-            source="session_end",
-            source_agent_id="agent-a",
-            signal_id=1,
-        )
-        upsert_entry(
-            session,
-            table,
-            user_id="u1",
-            key="flag",
-            value="true",
-            category="fact",
-            source="session_end",
-            source_agent_id="agent-a",
-            signal_id=1,
-        )
-    with session_scope(settings) as session:
-        for key in ("pin", "flag"):
-            upsert_entry(
-                session,
-                table,
-                user_id="u1",
-                key=key,
-                value="changed",
-                category="fact",
-                source="session_end",
-                source_agent_id="agent-a",
-                signal_id=2,
-            )
+    _write(settings, "0042", 1, key="pin")
+    _write(settings, "true", 1, key="flag")
+    for key in ("pin", "flag"):
+        _write(settings, "changed", 2, key=key)
     with session_scope(settings) as session:
         restore_signal(session, table, 2)
     with session_scope(settings) as session:
@@ -275,19 +207,15 @@ def test_sqlite_a_string_value_that_looks_like_json_is_restored_as_a_string(stor
     assert values == {"pin": "0042", "flag": "true"}
 
 
-def _write(settings: Settings, value: str, signal_id: int) -> None:
+def _write(settings: Settings, value: str, signal_id: int, *, key: str = "seat", user_id: str = "u1") -> str:
+    """An entry written by a signal (u1's seat unless told); its id."""
     with session_scope(settings) as session:
-        upsert_entry(
-            session,
-            table_for(settings),
-            user_id="u1",
-            key="seat",
-            value=value,
-            category="fact",
-            source="session_end",
-            source_agent_id="agent-a",
-            signal_id=signal_id,
-        )
+        done = upsert_entry(
+            session, table_for(settings), user_id=user_id, key=key, value=value, category="fact",
+            source="session_end", source_agent_id="agent-a", signal_id=signal_id,
+        )  # fmt: skip
+    assert done.entry_id is not None
+    return done.entry_id
 
 
 def _value(settings: Settings) -> Any:
