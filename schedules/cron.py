@@ -52,6 +52,8 @@ class PassReport:
     rows_purged: int = 0
     run_ids: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: Users named to the pass (``--user``) with no entries and no schedule row: not dreamed.
+    users_unknown: list[str] = field(default_factory=list)
 
     def add(self, outcome: RunOutcome) -> None:
         if outcome.run_id is not None:
@@ -79,14 +81,19 @@ class PassReport:
         return asdict(self)
 
 
-def users_for(settings: Settings, *, users: Sequence[str], all_users: bool) -> list[str]:
-    """The users a pass dreams: the named ones, everyone, or those due now."""
-    if users:
-        return list(dict.fromkeys(users))
+def users_for(settings: Settings, *, users: Sequence[str], all_users: bool) -> tuple[list[str], list[str]]:
+    """The users a pass dreams (the named ones, everyone, or those due now), and the
+    named users it does not: those with no entries in the memory table and no schedule
+    row. Dreaming one would only make a schedule row, and a run, for a user that is not
+    there (a typo, or a user erased)."""
     with session_scope(settings) as session:
+        if users:
+            named = list(dict.fromkeys(users))
+            known = schedule.known_user_ids(session, settings, named)
+            return [u for u in named if u in known], [u for u in named if u not in known]
         if all_users:
-            return schedule.all_user_ids(session, settings)
-        return schedule.due_user_ids(session, db_now(session), limit=10_000_000, settings=settings)
+            return schedule.all_user_ids(session, settings), []
+        return schedule.due_user_ids(session, db_now(session), limit=10_000_000, settings=settings), []
 
 
 def run_once(
@@ -113,7 +120,8 @@ def run_once(
     report.signals_rejected = signals.rejected
     report.signals_failed = signals.failed
     report.signals_dead = signals.dead
-    chosen = users_for(settings, users=users, all_users=all_users)
+    # After the signals: a named user a signal just gave entries to is known.
+    chosen, report.users_unknown = users_for(settings, users=users, all_users=all_users)
     done = 0
     for outcomes in _dream_in_chunks(settings, chosen, deadline, report):
         for outcome in outcomes:

@@ -16,6 +16,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from store.entry_state import users_in
 from store.memories import table_for
 from store.models import UserState
 from store.types import db_now
@@ -81,6 +82,21 @@ def all_user_ids(session: Session, settings: Settings) -> list[str]:
     table = table_for(settings)
     sub = union(select(table.c.user_id), select(UserState.user_id)).subquery()
     return list(session.scalars(select(sub.c.user_id).order_by(sub.c.user_id)))
+
+
+def known_user_ids(session: Session, settings: Settings, user_ids: Sequence[str]) -> set[str]:
+    """Those of ``user_ids`` with entries in the memory table or a schedule row (two
+    indexed looks): a user neither names is unknown here (a typo, or erased)."""
+    if not user_ids:
+        return set()
+    table = table_for(settings)
+    wanted = sorted(set(user_ids))
+    array = session.get_bind().dialect.name == "postgresql"
+    found = union(
+        select(table.c.user_id).where(users_in(table.c.user_id, wanted, array=array)).distinct(),
+        select(UserState.user_id).where(users_in(UserState.user_id, wanted, array=array)),
+    ).subquery()
+    return set(session.scalars(select(found.c.user_id)))
 
 
 def mark_dreamed(session: Session, user_id: str, at: datetime, next_at: datetime) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dream_seed import entry, seed
 from worker.settings import Settings
 
 REVERIE = [sys.executable, "-c", "from worker.cli import main; main()"]
@@ -479,6 +480,7 @@ def test_run_whose_metrics_cannot_be_written_after_the_pass_prints_its_summary_a
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(metrics_textfile, "write_textfile", full)
+    seed(pg_settings, [entry("u1", "city", "Lisbon")])
     monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
     get_settings.cache_clear()
     try:
@@ -499,6 +501,38 @@ def test_run_refuses_an_empty_user(pg_settings: Settings) -> None:
     assert result.returncode == 1
     assert_one_line_error(result, "--user: must not be empty")
     assert _runs(pg_settings) == 0
+
+
+def test_run_names_the_users_it_does_not_know_and_makes_nothing_for_them(store_settings: Settings) -> None:
+    # A typo, or a user erased since the cron line was written: dreaming one would make
+    # a schedule row (and a run every interval after) for a user that is not there.
+    from sqlalchemy import func, select
+
+    from store.db import session_scope
+    from store.models import UserState
+
+    seed(store_settings, [entry("u-real", "city", "Lisbon")])
+    env = {"REVERIE_DATABASE_URL": store_settings.database_url}
+    result = run(["run", "--user", "u-real", "--user", "u-typo", "--json"], env=env)
+    assert result.returncode == 1
+    summary = json.loads(result.stdout)
+    assert summary["users_processed"] == 1 and summary["users_unknown"] == ["u-typo"]
+    assert len(summary["run_ids"]) == 1
+    assert "not dreamed, no entries and no schedule for --user u-typo" in result.stderr
+    assert "Traceback" not in result.stderr
+    with session_scope(store_settings) as session:
+        users = set(session.scalars(select(UserState.user_id)))
+        assert users == {"u-real"}
+        assert session.scalar(select(func.count()).select_from(UserState).where(UserState.user_id == "u-typo")) == 0
+    assert _runs(store_settings) == 1
+    # An erased user is not brought back as a schedule row either.
+    assert run(["erase-user", "u-real", "--yes"], env=env).returncode == 0
+    again = run(["run", "--user", "u-real"], env=env)
+    assert again.returncode == 1 and "--user u-real" in again.stderr
+    assert "0 dreamed" in again.stdout
+    with session_scope(store_settings) as session:
+        assert session.scalar(select(func.count()).select_from(UserState)) == 0
+    assert _runs(store_settings) == 0  # the erasure took the user's run; the pass made none
 
 
 def test_a_broker_url_that_is_not_redis_is_refused_before_a_signal_is_written(pg_settings: Settings) -> None:
@@ -550,3 +584,56 @@ def test_events_kept_shorter_than_the_archive_are_refused(tmp_path: Path, archiv
     assert result.returncode == 1
     assert_one_line_error(result, "REVERIE_EVENT_RETENTION_DAYS", "REVERIE_ARCHIVE_RETENTION_DAYS")
     assert run(["migrate"], env={**env, "REVERIE_EVENT_RETENTION_DAYS": "0"}).returncode == 0
+
+
+def test_a_database_error_a_command_meets_names_its_sqlstate_and_never_the_value_it_quotes(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # PostgreSQL's message quotes the value it refused ("invalid input syntax for type
+    # integer: ..."), and a cron job's output is mailed and kept like a log.
+    from sqlalchemy import text
+
+    from store import policies
+    from worker.cli import main
+    from worker.settings import get_settings
+
+    def refused(session: object, *_: object) -> object:
+        return session.execute(text("SELECT CAST(:v AS integer)"), {"v": "zq-secret-value-qz"})  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(policies, "all_configs", refused)
+    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(["policy", "show"])
+    finally:
+        get_settings.cache_clear()
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("reverie: error: ")]
+    assert len(lines) == 1, err
+    assert "database error" in lines[0] and "SQLSTATE 22P02" in lines[0] and "InvalidTextRepresentation" in lines[0]
+    assert "zq-secret-value-qz" not in err
+
+
+def test_an_unexpected_error_names_its_type_and_where_not_its_message(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from store import policies
+    from worker.cli import main
+    from worker.settings import get_settings
+
+    def broken(*_: object) -> object:
+        raise ValueError("could not read zq-secret-value-qz")
+
+    monkeypatch.setattr(policies, "all_configs", broken)
+    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(["policy", "show"])
+    finally:
+        get_settings.cache_clear()
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert "reverie: error: unexpected ValueError at " in err and "zq-secret-value-qz" not in err

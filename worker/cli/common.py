@@ -30,8 +30,12 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 def describe_error(exc: BaseException) -> str:
-    """One line for an error: ours say what is wrong; others name their type."""
-    from worker.errors import ReverieError
+    """One line for an error, with no memory value in it (a cron job's output is mailed
+    and kept like a log): ours say what is wrong; a database's names its SQLSTATE and
+    the constraint, table and column it concerns, not its message, which can quote a
+    row (:func:`worker.errors.describe`); a failed connection keeps its first line,
+    which names the server; anything else is named by its type and where it was raised."""
+    from worker.errors import ReverieError, describe
 
     if isinstance(exc, ReverieError):
         return str(exc)
@@ -48,12 +52,22 @@ def describe_error(exc: BaseException) -> str:
         from sqlalchemy.exc import SQLAlchemyError
 
         if isinstance(exc, SQLAlchemyError):
-            orig = getattr(exc, "orig", None) or exc
-            lines = str(orig).strip().splitlines()
-            return f"database error: {lines[0] if lines else type(orig).__name__}"
+            orig = getattr(exc, "orig", None)
+            if _connection_failed(orig):
+                lines = str(orig).strip().splitlines()
+                return f"database error: {lines[0] if lines else type(orig).__name__}"
+            return f"database error: {describe(exc)}"
     except ImportError:  # pragma: no cover
         pass
-    return f"unexpected {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return f"unexpected {describe(exc)}"
+
+
+def _connection_failed(orig: object) -> bool:
+    """A driver's error with no SQLSTATE, raised before any statement ran (the server
+    could not be reached or refused the connection): its message names the server, not a row."""
+    import psycopg
+
+    return isinstance(orig, psycopg.OperationalError) and not getattr(orig, "sqlstate", None)
 
 
 def load_settings() -> Settings:

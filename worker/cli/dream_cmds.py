@@ -76,18 +76,30 @@ def run(
     else:
         _print_report(data)
     if metrics_textfile is not None:
-        from worker.metrics_server import refresh_pending_gauge
-        from worker.metrics_textfile import write_textfile
-
-        # The queue gauges as the database has them now, as the worker's page shows them.
-        refresh_pending_gauge(settings)
-        try:
-            write_textfile(metrics_textfile, model=settings.llm_model)
-        except OSError as exc:
-            # The pass is committed and its summary printed: say what did not happen.
-            fail(f"the pass is done, but its metrics were not written to {metrics_textfile}: {exc.strerror or exc}")
-    if report.users_failed:
+        _write_metrics(settings, metrics_textfile)
+    if report.users_unknown:
+        named = ", ".join(report.users_unknown)
+        print(
+            f"reverie: not dreamed, no entries and no schedule for --user {named} "
+            "(a user's first entries come from the application or a signal)",
+            file=sys.stderr,
+        )
+    if report.users_failed or report.users_unknown:
         raise typer.Exit(1)
+
+
+def _write_metrics(settings: Settings, path: Path) -> None:
+    """Every metric family to ``path`` for node-exporter, after a pass."""
+    from worker.metrics_server import refresh_pending_gauge
+    from worker.metrics_textfile import write_textfile
+
+    # The queue gauges as the database has them now, as the worker's page shows them.
+    refresh_pending_gauge(settings)
+    try:
+        write_textfile(path, model=settings.llm_model)
+    except OSError as exc:
+        # The pass is committed and its summary printed: say what did not happen.
+        fail(f"the pass is done, but its metrics were not written to {path}: {exc.strerror or exc}")
 
 
 def _print_report(data: dict[str, Any]) -> None:
