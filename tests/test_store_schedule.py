@@ -69,3 +69,16 @@ def test_marking_many_users_dirty_keeps_each_ones_earliest_change(store_settings
         "clean": (at, at + timedelta(hours=5)),
         "new": (at, at),
     }
+
+
+def test_a_user_is_known_by_entries_or_a_schedule_row(store_settings: Settings) -> None:
+    from tests.dream_seed import entry, seed
+
+    seed(store_settings, [entry("with-rows", "city", "Lisbon"), entry("with-rows", "pet", "cat")])
+    with session_scope(store_settings) as session:
+        session.execute(insert(UserState), [{"user_id": "pruned-empty", "next_dream_at": now()}])
+    with session_scope(store_settings) as session:
+        known = schedule.known_user_ids(
+            session, store_settings, ["with-rows", "pruned-empty", "nobody", "with-rows", "Nobody"]
+        )
+    assert known == {"with-rows", "pruned-empty"}
