@@ -586,22 +586,17 @@ def test_events_kept_shorter_than_the_archive_are_refused(tmp_path: Path, archiv
     assert run(["migrate"], env={**env, "REVERIE_EVENT_RETENTION_DAYS": "0"}).returncode == 0
 
 
-def test_a_database_error_a_command_meets_names_its_sqlstate_and_never_the_value_it_quotes(
-    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # PostgreSQL's message quotes the value it refused ("invalid input syntax for type
-    # integer: ..."), and a cron job's output is mailed and kept like a log.
-    from sqlalchemy import text
-
+def _policy_show_failing(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], failing: object
+) -> str:
+    """``reverie policy show`` (in this process) with its read replaced by ``failing``;
+    asserts exit 1 and returns stderr."""
     from store import policies
     from worker.cli import main
     from worker.settings import get_settings
 
-    def refused(session: object, *_: object) -> object:
-        return session.execute(text("SELECT CAST(:v AS integer)"), {"v": "zq-secret-value-qz"})  # type: ignore[attr-defined]
-
-    monkeypatch.setattr(policies, "all_configs", refused)
-    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
+    monkeypatch.setattr(policies, "all_configs", failing)
+    monkeypatch.setenv("REVERIE_DATABASE_URL", settings.database_url)
     get_settings.cache_clear()
     try:
         with pytest.raises(SystemExit) as exited:
@@ -609,7 +604,20 @@ def test_a_database_error_a_command_meets_names_its_sqlstate_and_never_the_value
     finally:
         get_settings.cache_clear()
     assert exited.value.code == 1
-    err = capsys.readouterr().err
+    return capsys.readouterr().err
+
+
+def test_a_database_error_a_command_meets_names_its_sqlstate_and_never_the_value_it_quotes(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # PostgreSQL's message quotes the value it refused ("invalid input syntax for type
+    # integer: ..."), and a cron job's output is mailed and kept like a log.
+    from sqlalchemy import text
+
+    def refused(session: object, *_: object) -> object:
+        return session.execute(text("SELECT CAST(:v AS integer)"), {"v": "zq-secret-value-qz"})  # type: ignore[attr-defined]
+
+    err = _policy_show_failing(pg_settings, monkeypatch, capsys, refused)
     lines = [line for line in err.splitlines() if line.startswith("reverie: error: ")]
     assert len(lines) == 1, err
     assert "database error" in lines[0] and "SQLSTATE 22P02" in lines[0] and "InvalidTextRepresentation" in lines[0]
@@ -619,21 +627,8 @@ def test_a_database_error_a_command_meets_names_its_sqlstate_and_never_the_value
 def test_an_unexpected_error_names_its_type_and_where_not_its_message(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from store import policies
-    from worker.cli import main
-    from worker.settings import get_settings
-
     def broken(*_: object) -> object:
         raise ValueError("could not read zq-secret-value-qz")
 
-    monkeypatch.setattr(policies, "all_configs", broken)
-    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
-    get_settings.cache_clear()
-    try:
-        with pytest.raises(SystemExit) as exited:
-            main(["policy", "show"])
-    finally:
-        get_settings.cache_clear()
-    assert exited.value.code == 1
-    err = capsys.readouterr().err
+    err = _policy_show_failing(pg_settings, monkeypatch, capsys, broken)
     assert "reverie: error: unexpected ValueError at " in err and "zq-secret-value-qz" not in err
