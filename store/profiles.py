@@ -623,6 +623,33 @@ def model_written(session: Session, user_ids: Collection[str]) -> list[tuple[str
     return [(user_id, agent_id) for user_id, agent_id in session.execute(stmt).all()]
 
 
+def built_from(session: Session, user_ids: Collection[str]) -> dict[str, tuple[Fingerprint, BuiltWith]]:
+    """The fingerprint each of the users' profiles were built from, and the settings they
+    were built with (kept on the agent-less profile; a user with no profile is absent)."""
+    users = sorted(set(user_ids))
+    if not users:
+        return {}
+    return {
+        row.user_id: (
+            Fingerprint(
+                row.source_rows, row.source_updated_at, row.source_recalls, row.source_conflicted, row.source_content
+            ),
+            BuiltWith(row.budget, row.tokenizer),
+        )
+        for row in session.execute(_stored_fingerprints(among(session, Profile.user_id, users)))
+    }
+
+
+def replace_agent_profiles(session: Session, pairs: Collection[tuple[str, str]], rows: Iterable[dict[str, Any]]) -> int:
+    """Make ``rows`` the only profiles of these (user, agent) pairs, leaving the users'
+    other profiles as they are (one delete, one insert; the caller's transaction)."""
+    wanted = sorted(set(pairs))
+    if not wanted:
+        return 0
+    session.execute(delete(Profile).where(tuple_(Profile.user_id, Profile.agent_id).in_(wanted)))
+    return insert_rows(session, Profile, list(rows))
+
+
 def texts(session: Session, user_ids: Collection[str]) -> dict[tuple[str, str], str]:
     """The stored text of every profile of ``user_ids``, keyed by (user, agent)."""
     users = sorted(set(user_ids))

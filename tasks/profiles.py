@@ -232,6 +232,10 @@ class Plan:
     prints: dict[str, Fingerprint] = field(default_factory=dict)
     current: dict[tuple[str, str], str] = field(default_factory=dict)
     ranked: bool = False
+    #: Users read only because the model wrote profiles their agents' policies no longer
+    #: have it write (their memory and the settings unchanged): only those agents'
+    #: profiles are built again, and the users' others stay as they are.
+    only: dict[str, set[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,8 @@ class Composed:
     """The profile rows of a refresh, per user, ready to be written."""
 
     rows: dict[str, list[dict[str, Any]]]
+    #: Users of whom only these agents' profiles are replaced (:attr:`Plan.only`).
+    only: dict[str, set[str]] = field(default_factory=dict)
 
     @property
     def users(self) -> list[str]:
@@ -276,11 +282,11 @@ def plan(
     # the model is built again now, whether or not the memory changed: turning the
     # model writer off takes effect at the next pass. (Turning it on waits for the
     # user's next change: it costs a model call per profile.)
-    withdrawn = {
-        user_id
-        for user_id, agent in profile_store.model_written(session, user_ids)
-        if not book.for_agent(agent or None).writes_profiles_with_model
-    }
+    withdrawn: dict[str, set[str]] = {}
+    for user_id, agent in profile_store.model_written(session, user_ids):
+        if not book.for_agent(agent or None).writes_profiles_with_model:
+            withdrawn.setdefault(user_id, set()).add(agent)
+    built_with = profile_store.BuiltWith(budget_for(settings), llm.model_name(settings))
     found = profile_store.read_for_build(
         session,
         table,
@@ -290,12 +296,33 @@ def plan(
         default_cutoff=_cutoff(book.default, at),
         protected_categories=settings.protected_category_set,
         last_access_column=settings.memory_last_access_column,
-        built_with=profile_store.BuiltWith(budget_for(settings), llm.model_name(settings)),
+        built_with=built_with,
     )
     if not found.users:
         return Plan(at, [], {})
     current = profile_store.texts(session, found.users) if writes_with_model(book) else {}
-    return Plan(at, found.users, found.rows, found.prints, current, found.ranked)
+    only = _withdrawn_only(session, withdrawn, found, changed, built_with)
+    return Plan(at, found.users, found.rows, found.prints, current, found.ranked, only)
+
+
+def _withdrawn_only(
+    session: Session,
+    withdrawn: dict[str, set[str]],
+    found: profile_store.BuildRead,
+    changed: Collection[str],
+    built_with: profile_store.BuiltWith,
+) -> dict[str, set[str]]:
+    """Of the users with profiles the model should no longer write (``withdrawn``: their
+    agents), those read for that alone: their rows as read are what their profiles were
+    built from, with the settings of now. Their other profiles stay (a model-written one
+    is not written again, at a model call's cost, for a change that is not its own)."""
+    candidates = [u for u in withdrawn if u in found.prints and u not in changed]
+    stored = profile_store.built_from(session, candidates)
+    return {
+        user_id: withdrawn[user_id]
+        for user_id in candidates
+        if user_id in stored and stored[user_id] == (found.prints[user_id], built_with)
+    }
 
 
 def writes_with_model(book: PolicyBook) -> bool:
@@ -331,7 +358,10 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
         seen = Visibility(ranked)
         line_json = _LineJson(lines)
         out[user_id] = []
-        for agent in [NO_AGENT, *seen.agents]:
+        agents = [NO_AGENT, *seen.agents]
+        if user_id in read.only:
+            agents = [agent for agent in agents if agent in read.only[user_id]]
+        for agent in agents:
             shown = seen.of(agent)
             by_model = writer is not None and book.for_agent(agent or None).writes_profiles_with_model
             if whole is not None and not by_model:
@@ -350,7 +380,7 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
             out[user_id].append(
                 _row(user_id, agent, built, tokenizer=tokenizer, at=read.at, print_=print_, writer=writer_name)
             )
-    return Composed(out)
+    return Composed(out, {u: agents for u, agents in read.only.items() if u in out})
 
 
 @dataclass(frozen=True)
@@ -457,9 +487,15 @@ _json_string = json.encoder.encode_basestring_ascii
 
 
 def save(session: Session, composed: Composed, user_ids: Collection[str]) -> int:
-    """Make the composed profiles of ``user_ids`` their only ones (one delete, one insert)."""
-    users = [u for u in user_ids if u in composed.rows]
-    return profile_store.replace_profiles(session, users, [r for u in users for r in composed.rows[u]])
+    """Make the composed profiles of ``user_ids`` their only ones (one delete, one insert),
+    or, for a user of whom only some agents' profiles were built (:attr:`Composed.only`),
+    those agents' only ones."""
+    users = [u for u in user_ids if u in composed.rows and u not in composed.only]
+    written = profile_store.replace_profiles(session, users, [r for u in users for r in composed.rows[u]])
+    partial = [u for u in user_ids if u in composed.rows and u in composed.only]
+    pairs = [(u, agent) for u in partial for agent in composed.only[u]]
+    rows = [r for u in partial for r in composed.rows[u]]
+    return written + profile_store.replace_agent_profiles(session, pairs, rows)
 
 
 def refresh(

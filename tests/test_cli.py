@@ -485,7 +485,7 @@ def test_run_whose_metrics_cannot_be_written_after_the_pass_prints_its_summary_a
     get_settings.cache_clear()
     try:
         result = CliRunner().invoke(
-            app, ["run", "--user", "u1", "--json", "--metrics-textfile", str(tmp_path / "r.prom")]
+            app, ["run", "--user", "u1", "--user", "u-typo", "--json", "--metrics-textfile", str(tmp_path / "r.prom")]
         )
     finally:
         get_settings.cache_clear()
@@ -493,6 +493,8 @@ def test_run_whose_metrics_cannot_be_written_after_the_pass_prints_its_summary_a
     summary = json.loads(result.stdout.splitlines()[0])
     assert summary["users_processed"] == 1 and len(summary["run_ids"]) == 1
     assert "its metrics were not written to" in result.stderr and "No space left on device" in result.stderr
+    # The user it did not dream is still named.
+    assert "no entries and no schedule for --user u-typo" in result.stderr
     assert _runs(pg_settings) == 1
 
 
@@ -632,3 +634,20 @@ def test_an_unexpected_error_names_its_type_and_where_not_its_message(
 
     err = _policy_show_failing(pg_settings, monkeypatch, capsys, broken)
     assert "reverie: error: unexpected ValueError at " in err and "zq-secret-value-qz" not in err
+
+
+def test_a_failed_connection_names_the_server_and_other_driver_errors_quote_nothing() -> None:
+    import psycopg
+    import sqlalchemy
+    from sqlalchemy.exc import OperationalError
+
+    from worker.cli.common import describe_error
+
+    engine = sqlalchemy.create_engine("postgresql+psycopg://postgres@127.0.0.1:1/nowhere")
+    with pytest.raises(OperationalError) as refused:
+        engine.connect()
+    said = describe_error(refused.value)
+    assert said.startswith("database error: connection failed") and '"127.0.0.1", port 1' in said
+    # Without a SQLSTATE, but not about the connection: the quoted text is taken out.
+    mid = OperationalError("SELECT 1", {}, psycopg.OperationalError('server said "zq-secret-value-qz"'))
+    assert "zq-secret-value-qz" not in describe_error(mid) and "database error" in describe_error(mid)

@@ -1466,3 +1466,69 @@ def test_turning_the_model_writer_off_rebuilds_its_profiles_at_the_next_pass(pg_
     assert dream_users(off, ["u1"])[0].profiles_built == 1
     assert _stored(off, "u1")[""].layout["writer"] == "deterministic"
     assert dream_users(off, ["u1"])[0].profiles_built == 0
+
+
+def test_turning_one_agents_model_writer_off_leaves_the_others_model_profiles_alone(
+    store_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the withdrawn agent's profile is built again: another agent's, still the
+    model's to write, is neither written again (a model call, for no change of its own)
+    nor lost to the deterministic one when no call fits. A user whose memory changed
+    meanwhile has every profile built again, as any change does."""
+    from store import policies as policy_store
+
+    settings = store_settings
+    with session_scope(settings) as session:
+        policy_store.merge_config(session, "agent-a", {"profileWriter": "model"})
+        policy_store.merge_config(session, "agent-b", {"profileWriter": "model"})
+    for user in ("u1", "u2"):
+        seed(
+            settings,
+            [
+                entry(user, "pet", "cat", agent="agent-a"),
+                entry(user, "team", "blue", agent="agent-b"),
+                entry(user, "home_city", "Lisbon", visibility="global", agent=None),
+            ],
+        )
+    dream_users(settings, ["u1", "u2"])
+    before = {u: _stored(settings, u) for u in ("u1", "u2")}
+    for user in ("u1", "u2"):
+        assert {a: p.layout["writer"] for a, p in before[user].items()} == {
+            "": "deterministic",
+            "agent-a": "model",
+            "agent-b": "model",
+        }
+
+    calls: list[str | None] = []
+    real = llm.complete
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("user_id"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "complete", spy)
+    with session_scope(settings) as session:
+        policy_store.merge_config(session, "agent-b", {"profileWriter": "deterministic"})
+    seed(settings, [entry("u2", "boat", "sloop", agent="agent-a")])  # the application writes for u2
+    # The day's budget is spent: no model call fits.
+    spent = settings.model_copy(update={"max_cost_per_day": 0.0})
+    built = {o.user_id: o.profiles_built for o in dream_users(spent, ["u1", "u2"])}
+
+    after = {u: _stored(settings, u) for u in ("u1", "u2")}
+    assert built["u1"] == 1 and "u1" not in calls
+    assert after["u1"]["agent-a"].layout["writer"] == "model"
+    assert (after["u1"]["agent-a"].text, after["u1"]["agent-a"].built_at) == (
+        before["u1"]["agent-a"].text,
+        before["u1"]["agent-a"].built_at,
+    )
+    assert after["u1"][""].built_at == before["u1"][""].built_at
+    assert after["u1"]["agent-b"].layout["writer"] == "deterministic"
+    assert after["u1"]["agent-b"].built_at > before["u1"]["agent-b"].built_at
+    # u2 changed: all three built again, the model's kept out by the spent budget.
+    assert built["u2"] == 3
+    assert {a: p.layout["writer"] for a, p in after["u2"].items()} == dict.fromkeys(
+        ("", "agent-a", "agent-b"), "deterministic"
+    )
+    assert "- boat: sloop" in after["u2"]["agent-a"].text
+    # And nothing is left to do: a second pass builds nothing.
+    assert [o.profiles_built for o in dream_users(spent, ["u1", "u2"])] == [0, 0]

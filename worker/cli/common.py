@@ -63,11 +63,17 @@ def describe_error(exc: BaseException) -> str:
 
 
 def _connection_failed(orig: object) -> bool:
-    """A driver's error with no SQLSTATE, raised before any statement ran (the server
-    could not be reached or refused the connection): its message names the server, not a row."""
+    """A failed connection (the server could not be reached, or refused it): an error
+    with no SQLSTATE whose message is libpq's about the connection, which names the
+    server, the database or the role, never a row. Any other error without a SQLSTATE
+    (the server's words mid-statement) is described like the rest."""
     import psycopg
 
-    return isinstance(orig, psycopg.OperationalError) and not getattr(orig, "sqlstate", None)
+    return (
+        isinstance(orig, psycopg.OperationalError)
+        and not getattr(orig, "sqlstate", None)
+        and str(orig).lstrip().startswith(("connection failed:", "connection to server"))
+    )
 
 
 def load_settings() -> Settings:

@@ -75,15 +75,16 @@ def run(
         print(json.dumps(data, sort_keys=True), flush=True)
     else:
         _print_report(data)
-    if metrics_textfile is not None:
-        _write_metrics(settings, metrics_textfile)
     if report.users_unknown:
+        # Before the metrics are written: a failure to write them ends the command.
         named = ", ".join(report.users_unknown)
         print(
             f"reverie: not dreamed, no entries and no schedule for --user {named} "
             "(a user's first entries come from the application or a signal)",
             file=sys.stderr,
         )
+    if metrics_textfile is not None:
+        _write_metrics(settings, metrics_textfile)
     if report.users_failed or report.users_unknown:
         raise typer.Exit(1)
 
