@@ -307,14 +307,10 @@ def compare_fingerprints(
             )
         )
     }
-    built: dict[str, Fingerprint] = {}
-    other: set[str] = set()  # built with other settings
-    for row in session.execute(_stored_fingerprints(among(session, Profile.user_id, users))):
-        built[row.user_id] = Fingerprint(
-            row.source_rows, row.source_updated_at, row.source_recalls, row.source_conflicted, row.source_content
-        )
-        if built_with is not None and (row.budget, row.tokenizer) != tuple(built_with):
-            other.add(row.user_id)
+    stored = built_from(session, users)
+    built = {user_id: fingerprint for user_id, (fingerprint, _) in stored.items()}
+    # Built with other settings than the ones given.
+    other = {user_id for user_id, (_, with_) in stored.items() if built_with is not None and with_ != built_with}
     return [
         u
         for u in users

@@ -651,3 +651,18 @@ def test_a_failed_connection_names_the_server_and_other_driver_errors_quote_noth
     # Without a SQLSTATE, but not about the connection: the quoted text is taken out.
     mid = OperationalError("SELECT 1", {}, psycopg.OperationalError('server said "zq-secret-value-qz"'))
     assert "zq-secret-value-qz" not in describe_error(mid) and "database error" in describe_error(mid)
+
+
+def test_sqlalchemys_own_error_repeating_a_drivers_message_quotes_nothing() -> None:
+    from sqlalchemy.exc import PendingRollbackError
+
+    from worker.cli.common import describe_error
+
+    said = describe_error(
+        PendingRollbackError(
+            "This Session's transaction has been rolled back due to a previous exception during flush. "
+            'Original exception was: invalid input syntax for type integer: "zq-secret-value-qz"'
+        )
+    )
+    assert said.startswith("database error: PendingRollbackError: This Session's transaction")
+    assert "zq-secret-value-qz" not in said

@@ -152,8 +152,9 @@ def _frame_text(frame: TracebackType) -> str:
 
 
 #: A quoted span of a database's message (the value it could not take: ``invalid input
-#: syntax for type integer: "abc"``), to its closing quote or the message's end.
-_QUOTED = re.compile(r"\"[^\"]*(?:\"|$)|'[^']*(?:'|$)", re.DOTALL)
+#: syntax for type integer: "abc"``), to its closing quote or the message's end; an
+#: apostrophe within a word (``Session's``) opens none.
+_QUOTED = re.compile(r"\"[^\"]*(?:\"|$)|(?<!\w)'[^']*(?:'|$)", re.DOTALL)
 
 
 def describe(exc: BaseException) -> str:
@@ -165,8 +166,8 @@ def describe(exc: BaseException) -> str:
       what an operator needs, never the message, whose text and detail lines can quote
       the rows (``Failing row contains ...``, ``Key (...)=(...)``, the value a type
       refused). Another driver's message is kept with every quoted span taken out.
-    - SQLAlchemy's own errors (a pool timeout) and the operating system's say nothing
-      of the rows: their first line is kept.
+    - SQLAlchemy's own errors (a pool timeout) keep their first line without its quoted
+      spans (one may repeat a driver's message); the operating system's keep theirs.
     - Anything else (a bug, input nothing foresaw) is named by its type and where it was
       raised: its message may quote the values it was handed."""
     if isinstance(exc, ReverieError):
@@ -192,7 +193,11 @@ def describe(exc: BaseException) -> str:
             first = _first_line(orig)
             return f"{type(exc).__name__}: {type(orig).__name__}: {_QUOTED.sub('…', first)}".rstrip(": ")
         return f"{type(exc).__name__}: {type(orig).__name__} at {raised_at(orig)}"
-    if type(exc).__module__.startswith("sqlalchemy") or isinstance(exc, OSError):
+    if type(exc).__module__.startswith("sqlalchemy"):
+        # Its own words, but one may quote a driver's message (``PendingRollbackError``:
+        # "Original exception was: ..."): quoted spans are taken out too.
+        return f"{type(exc).__name__}: {_QUOTED.sub('…', _first_line(exc))}".rstrip(": ")
+    if isinstance(exc, OSError):
         return f"{type(exc).__name__}: {_first_line(exc)}".rstrip(": ")
     return f"{type(exc).__name__} at {raised_at(exc)}"
 
