@@ -293,13 +293,15 @@ def bytea_sqlite(sqlite_settings: Settings) -> Iterator[Settings]:
 
 
 def _photos(settings: Settings) -> list[tuple[Any, ...]]:
+    return _stored(
+        settings, "SELECT key, photo, typeof(photo), blob_any, typeof(blob_any) FROM usermemories ORDER BY key"
+    )
+
+
+def _stored(settings: Settings, sql: str) -> list[tuple[Any, ...]]:
+    """The rows of ``sql``, as SQLite stores them (with their storage classes)."""
     with session_scope(settings) as session:
-        return [
-            tuple(r)
-            for r in session.execute(
-                text("SELECT key, photo, typeof(photo), blob_any, typeof(blob_any) FROM usermemories ORDER BY key")
-            )
-        ]
+        return [tuple(r) for r in session.execute(text(sql))]
 
 
 def test_sqlite_bytes_in_a_bytea_or_untyped_host_column_survive_prune_and_restore(bytea_sqlite: Settings) -> None:
@@ -346,10 +348,4 @@ def test_sqlite_text_in_a_blob_host_column_is_restored(blob_sqlite: Settings) ->
 
 
 def _att(settings: Settings) -> list[tuple[Any, ...]]:
-    with session_scope(settings) as session:
-        return [
-            tuple(r)
-            for r in session.execute(
-                text("SELECT user_id, attachment, typeof(attachment) FROM usermemories ORDER BY user_id")
-            )
-        ]
+    return _stored(settings, "SELECT user_id, attachment, typeof(attachment) FROM usermemories ORDER BY user_id")
