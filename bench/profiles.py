@@ -191,7 +191,7 @@ def read_latency(url: str, users: int, reads: int) -> dict[str, tuple[float, flo
             get_for_prompt(user, agent, settings=settings)
             if index >= 200:
                 samples.append(time.perf_counter() - started)
-        own = "get_for_prompt with a session of its own (pool checkout, then the SELECT alone: no transaction)"
+        own = "get_for_prompt with no session given (a connection of its read pool, the SELECT alone: no transaction)"
         out[own] = _percentiles(samples)
     dispose_engines()
     with psycopg.connect(url, autocommit=True) as conn:

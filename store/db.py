@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -28,7 +28,8 @@ from worker.url_secrets import mask_secrets, mask_url
 
 log = get_logger(__name__)
 
-_engines: dict[tuple[int, str], Engine] = {}
+#: This process's engines, by (process, URL, for reads on their own: see :func:`get_read_engine`).
+_engines: dict[tuple[int, str, bool], Engine] = {}
 T = TypeVar("T")
 
 #: ``application_name`` of Reverie's PostgreSQL sessions unless the URL names another.
@@ -226,17 +227,34 @@ def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any
 
 
 def get_engine(settings: Settings) -> Engine:
-    """This process's engine for the settings' URL (a forked child builds its own)."""
-    key = (os.getpid(), settings.database_url)
+    """This process's engine for the settings' URL (a forked child builds its own). Its
+    pool checks each connection it hands out with an empty query first (pre-ping), so
+    a connection the server dropped is replaced before any work is begun on it."""
+    return _engine(settings, reads=False)
+
+
+def get_read_engine(settings: Settings) -> Engine:
+    """The engine of reads on their own (:func:`read_once`), on PostgreSQL a pool of its
+    own that hands out connections without that check: on a prompt's path the check is
+    a round trip of its own (about a third of a profile read's time), and a read can
+    simply be made again on a new connection where the pooled one turns out dropped."""
+    if make_url(settings.database_url).get_backend_name() != "postgresql":
+        return get_engine(settings)
+    return _engine(settings, reads=True)
+
+
+def _engine(settings: Settings, *, reads: bool) -> Engine:
+    key = (os.getpid(), settings.database_url, reads)
     engine = _engines.get(key)
     if engine is None:
-        engine = _engines[key] = build_engine(settings.database_url, guards=SessionGuards.of(settings))
+        options = {"pool_pre_ping": False} if reads else {}
+        engine = _engines[key] = build_engine(settings.database_url, guards=SessionGuards.of(settings), **options)
     return engine
 
 
 def dispose_engines() -> None:
     """Forget every engine of this process (after fork, and in tests)."""
-    for (pid, _url), engine in list(_engines.items()):
+    for (pid, _url, _reads), engine in list(_engines.items()):
         if pid == os.getpid():
             engine.dispose()
         else:
@@ -296,17 +314,28 @@ def give_back(settings: Settings, work: Callable[[Session], object], *, within: 
         log.warning("database_gone_at_commit", given_back=False, error_type=type(exc).__name__)
 
 
-@contextmanager
-def read_scope(settings: Settings) -> Iterator[Session]:
-    """A session for reads on their own, outside any transaction (autocommit): each
-    statement sees the database as of its start, and no ``BEGIN`` or ``COMMIT`` makes a
-    round trip. For one-statement reads, such as a profile read on a prompt's path."""
-    with (
-        translate_errors(settings),
-        get_engine(settings).connect() as connection,
-        Session(bind=connection.execution_options(isolation_level="AUTOCOMMIT")) as session,
-    ):
-        yield session
+def read_once(settings: Settings, read: Callable[[Connection], T]) -> T:
+    """Run ``read`` (statements that only read, and are safe to make again) on a
+    connection outside any transaction (autocommit): each statement sees the database
+    as of its start, and no ``BEGIN`` or ``COMMIT`` makes a round trip. For one-statement
+    reads, such as a profile read on a prompt's path, where making an ORM session would
+    cost about as much as the round trip. The connection comes from
+    :func:`get_read_engine`'s pool, unchecked: where the server had dropped it (a
+    restart, an idle timeout), ``read`` runs once more on a new connection."""
+    engine = get_read_engine(settings)
+    with translate_errors(settings):
+        try:
+            return _autocommit(engine, read)
+        except DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+        # The pool let go of every connection made before the lost one: this one is new.
+        return _autocommit(engine, read)
+
+
+def _autocommit(engine: Engine, read: Callable[[Connection], T]) -> T:
+    with engine.connect() as connection:
+        return read(connection.execution_options(isolation_level="AUTOCOMMIT"))
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import (
     ColumnElement,
+    Connection,
     DateTime,
     FromClause,
     Integer,
@@ -668,7 +669,7 @@ _READ_FOR_CUT = text(
 ).columns(**_READ_TYPES)
 
 
-def read(session: Session, user_id: str, agent_id: str | None, *, layout_over: int | None = None) -> Any:
+def read(session: Session | Connection, user_id: str, agent_id: str | None, *, layout_over: int | None = None) -> Any:
     """The profile ``agent_id`` reads (one primary-key lookup): its own, or, for an agent
     that owns no entries of the user, the agent-less one (the global entries, which is
     exactly what such an agent may see). A row of the columns a reader needs (None: no

@@ -1204,38 +1204,78 @@ def test_the_build_read_is_compiled_once_not_once_per_refresh(pg_settings: Setti
 
 def test_a_read_on_its_own_sends_one_statement_and_no_transaction(pg_settings: Settings, tmp_path: Any) -> None:
     """On a prompt's path every round trip counts: a read without the caller's session
-    sends its SELECT alone (autocommit), no BEGIN before it and no COMMIT after."""
+    sends its SELECT alone (autocommit): no BEGIN before it and no COMMIT after, and no
+    liveness check of the pooled connection either (traced from the connection's start,
+    so a pool's pre-ping, sent before the pool's checkout event, would show)."""
     from sqlalchemy import event
 
-    from store.db import get_engine
+    from store.db import get_engine, get_read_engine
 
     seed(pg_settings, _world("u1"))
     _refresh(pg_settings, ["u1"])
-    get_for_prompt("u1", "agent-a", settings=pg_settings)  # the pool's connection, made and checked
     trace = tmp_path / "trace.txt"
-    engine = get_engine(pg_settings)
+    engine = get_read_engine(pg_settings)
 
-    def traced(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+    def traced(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.pgconn.trace(out.fileno())
 
     with trace.open("w") as out:
-        event.listen(engine, "checkout", traced)
+        event.listen(engine, "connect", traced)
         try:
+            get_for_prompt("u1", "agent-a", settings=pg_settings)  # the pool's connection, made and set up
+            out.flush()
+            made = trace.stat().st_size
             profile = get_for_prompt("u1", "agent-a", settings=pg_settings)
         finally:
-            event.remove(engine, "checkout", traced)
-    sent = [line for line in trace.read_text().splitlines() if "\tF\t" in line and ("Query" in line or "Parse" in line)]
+            event.remove(engine, "connect", traced)
+    with trace.open() as read_back:
+        read_back.seek(made)
+        lines = read_back.read().splitlines()
+    sent = [line for line in lines if "\tF\t" in line and ("Query" in line or "Parse" in line)]
     assert "vim" in profile.text
-    assert not any(word in line.upper() for line in sent for word in ("BEGIN", "COMMIT", "ROLLBACK")), sent
-    assert sum("dream_profiles" in line for line in sent) == 1, sent
+    assert len(sent) == 1 and "dream_profiles" in sent[0], sent
 
-    # The pool's connection is given back as it was: the next session on it is a transaction.
-    with engine.connect() as connection:
-        reader_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    # The dream's own sessions are transactions, on connections the pool checks first.
     with session_scope(pg_settings) as session:
-        first = session.execute(sql_text("SELECT pg_backend_pid(), now()")).one()
+        first = session.execute(sql_text("SELECT now()")).scalar()
         second = session.execute(sql_text("SELECT now()")).scalar()
-    assert first[0] == reader_pid and first[1] == second  # one transaction: one now()
+    assert first == second  # one transaction: one now()
+    assert get_engine(pg_settings).pool._pre_ping  # type: ignore[attr-defined]
+
+
+def test_a_read_on_its_own_is_made_again_where_the_server_dropped_the_pooled_connection(
+    pg_settings: Settings,
+) -> None:
+    """The read pool hands out connections unchecked: one the server ended while it
+    sat in the pool (a restart, an idle timeout, an operator) costs the reader one more
+    try on a new connection, never an error."""
+    import psycopg as driver
+    from sqlalchemy import event
+
+    from store.db import get_read_engine
+
+    seed(pg_settings, _world("u1"))
+    _refresh(pg_settings, ["u1"])
+    pids: list[int] = []
+    engine = get_read_engine(pg_settings)
+
+    def made(dbapi_connection: Any, _record: Any) -> None:
+        pids.append(dbapi_connection.info.backend_pid)
+
+    event.listen(engine, "connect", made)
+    try:
+        assert "vim" in get_for_prompt("u1", "agent-a", settings=pg_settings).text
+        # The engine's pool may hold connections made before the listener: end them all.
+        with driver.connect(pg_settings.database_url.replace("+psycopg", ""), autocommit=True) as admin:
+            ended = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid() AND state = 'idle'"
+            ).fetchone()
+        assert ended is not None and ended[0] >= 1
+        assert "vim" in get_for_prompt("u1", "agent-a", settings=pg_settings).text
+        assert len(pids) >= 2, pids  # a new connection was made for the second read
+    finally:
+        event.remove(engine, "connect", made)
 
 
 def _lines_of(settings: Settings, user: str) -> list[str]:

@@ -12,10 +12,11 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from store import profiles as profile_store
-from store.db import read_scope
+from store.db import read_once
 from worker.profile_text import Layout, assemble, cut, estimate
 from worker.settings import Settings, get_settings
 
@@ -58,14 +59,13 @@ def get_for_prompt(
     if session is not None:
         return _read(session, user_id, agent_id, token_budget, settings)
     settings = settings or get_settings()
-    with read_scope(settings) as own:
-        return _read(own, user_id, agent_id, token_budget, settings)
+    return read_once(settings, lambda own: _read(own, user_id, agent_id, token_budget, settings))
 
 
 def _read(
-    session: Session, user_id: str, agent_id: str | None, token_budget: int | None, settings: Settings | None
+    db: Session | Connection, user_id: str, agent_id: str | None, token_budget: int | None, settings: Settings | None
 ) -> PromptProfile:
-    row = profile_store.read(session, user_id, agent_id, layout_over=token_budget)
+    row = profile_store.read(db, user_id, agent_id, layout_over=token_budget)
     if row is None:
         budget = token_budget if token_budget is not None else (settings or get_settings()).profile_token_budget
         return PromptProfile(user_id, agent_id, "", 0, budget, 0, 0, None)
