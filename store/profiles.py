@@ -678,4 +678,9 @@ def read(session: Session | Connection, user_id: str, agent_id: str | None, *, l
     params: dict[str, Any] = {"user_id": user_id, "agent_id": agent_id or NO_AGENT}
     if layout_over is None:
         return session.execute(_READ, params).first()
-    return session.execute(_READ_FOR_CUT, {**params, "over": layout_over}).first()
+    # ``tokens`` is a 32-bit column: a larger budget reads as "no cut", and is bound as
+    # one a driver takes (SQLite's binds no integer of 2**63 or more).
+    return session.execute(_READ_FOR_CUT, {**params, "over": min(layout_over, _MAX_TOKENS)}).first()
+
+
+_MAX_TOKENS = 2**31 - 1

@@ -107,12 +107,22 @@ def _budget_line(policies: PolicyBook, run_id: int) -> BudgetLine:
     return BudgetLine("run", budget.run_key(run_id), usd_to_nano(max(caps)))
 
 
-def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", agent_id: str | None = None) -> RunOutcome:
+def dream_user(
+    settings: Settings,
+    user_id: str,
+    *,
+    trigger: str = "manual",
+    agent_id: str | None = None,
+    raise_failure: bool = True,
+) -> RunOutcome:
     """Dream for one user (or, with ``agent_id``, for one agent's entries of that user,
     all of them if that agent's policy has ``crossAgentMaintenance``).
 
     Returns a ``skipped`` outcome when another run holds the user's lease. Raises only
-    for errors that are not the run's own (the ledger then says ``failed`` too).
+    for errors that are not the run's own (the ledger then says ``failed`` too); with
+    ``raise_failure`` false, only for a lost database or a transient error: any other
+    comes back as the ``failed`` outcome (one of several users, whose data broke the
+    run, must not stop the others' runs).
     """
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
@@ -134,6 +144,13 @@ def dream_user(settings: Settings, user_id: str, *, trigger: str = "manual", age
     try:
         with LeaseKeeper(settings, token, ttl, [user_id], until=at + ttl) as keeper:
             _run(settings, user_id, keeper=keeper, at=at, policies=policies, agent_id=agent_id, outcome=outcome)
+    except (TransientError, DatabaseUnavailable):
+        raise
+    except Exception as exc:
+        if raise_failure:
+            raise
+        # The run is closed as failed, with the error named in its row (``_run``).
+        log.error("dream.user_failed", user=user_ref(user_id, settings.log_hash_key), error_type=type(exc).__name__)
     finally:
         closing_transaction(settings, lambda session: locks.release(session, user_id, token))
         metrics.DURATION.observe(time.monotonic() - started)
@@ -452,7 +469,7 @@ def dream_users(
     if not ids:
         return []
     if get_engine(settings).dialect.name != "postgresql":
-        return [dream_user(settings, user_id, trigger=trigger) for user_id in ids]
+        return [dream_user(settings, user_id, trigger=trigger, raise_failure=False) for user_id in ids]
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
     with _opening(settings, token, ids) as session:
@@ -479,7 +496,7 @@ def dream_users(
     # A user left out was busy or had their schedule row locked at that instant: the
     # one-user path waits for the row and then runs, or says skipped.
     done = chunk.outcomes
-    return [done[u] if u in done else dream_user(settings, u, trigger=trigger) for u in ids]
+    return [done[u] if u in done else dream_user(settings, u, trigger=trigger, raise_failure=False) for u in ids]
 
 
 @dataclass

@@ -537,6 +537,30 @@ def test_run_names_the_users_it_does_not_know_and_makes_nothing_for_them(store_s
     assert _runs(store_settings) == 0  # the erasure took the user's run; the pass made none
 
 
+def test_one_users_unreadable_value_fails_that_user_alone_and_the_pass_goes_on(sqlite_settings: Settings) -> None:
+    # SQLite takes any text in the host's JSON column; an application wrote a bare word.
+    # On the embedded store users are dreamed one by one: the one whose data breaks the
+    # run fails, and the users after it are dreamed, their profiles built, the summary printed.
+    from sqlalchemy import text
+
+    from store.db import session_scope
+
+    seed(sqlite_settings, [entry("u-a", "city", "Nice"), entry("u-b", "city", "Rome"), entry("u-c", "city", "Oslo")])
+    with session_scope(sqlite_settings) as session:
+        session.execute(text("UPDATE usermemories SET value = 'hello world' WHERE user_id = 'u-b'"))
+    env = {"REVERIE_DATABASE_URL": sqlite_settings.database_url}
+    result = run(["run", "--user", "u-a", "--user", "u-b", "--user", "u-c", "--json"], env=env)
+    assert "Traceback" not in result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["users_processed"], summary["users_failed"]) == (2, 1), summary
+    assert len(summary["run_ids"]) == 3
+    assert result.returncode == 1  # a failed user is a failed pass, for cron to mail
+    assert "hello world" not in result.stdout + result.stderr
+    for user, city in (("u-a", "Nice"), ("u-c", "Oslo")):
+        shown = run(["profile", user, "--agent", "agent-a"], env=env)
+        assert shown.returncode == 0 and city in shown.stdout, shown.stderr
+
+
 def test_a_broker_url_that_is_not_redis_is_refused_before_a_signal_is_written(pg_settings: Settings) -> None:
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": "bogus://"}
     result = run(["enqueue", "activity", "--user", "u1", "--payload", "-"], env=env, stdin=ACTIVITY)

@@ -1202,6 +1202,23 @@ def test_the_build_read_is_compiled_once_not_once_per_refresh(pg_settings: Setti
     assert table_for(pg_settings) is table_for(pg_settings.model_copy())
 
 
+def test_a_budget_of_any_size_reads_the_whole_profile(store_settings: Settings) -> None:
+    # "At most this many tokens": a budget past any integer the database binds is no cut.
+    seed(store_settings, _world("u1"))
+    _refresh(store_settings, ["u1"])
+    whole = get_for_prompt("u1", "agent-a", settings=store_settings)
+    for budget in (2**31, 2**63, 10**40):
+        read = get_for_prompt("u1", "agent-a", budget, settings=store_settings)
+        assert (read.text, read.tokens, read.entries_included) == (whole.text, whole.tokens, whole.entries_included)
+    shown = subprocess.run(
+        [*REVERIE, "profile", "u1", "--agent", "agent-a", "--budget", str(2**63)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "REVERIE_DATABASE_URL": store_settings.database_url},
+    )
+    assert shown.returncode == 0 and shown.stdout == whole.text, shown.stderr
+
+
 def test_a_read_on_its_own_sends_one_statement_and_no_transaction(pg_settings: Settings, tmp_path: Any) -> None:
     """On a prompt's path every round trip counts: a read without the caller's session
     sends its SELECT alone (autocommit): no BEGIN before it and no COMMIT after, and no
