@@ -665,7 +665,8 @@ _READ_TYPES = {"built_at": Profile.__table__.c.built_at.type, "layout": Profile.
 # keying an expression each time. The layout is sent only when a cut needs it.
 _READ = text(f"SELECT {_READ_COLUMNS}, NULL AS layout {_READ_WHERE}").columns(**_READ_TYPES)
 _READ_FOR_CUT = text(
-    f"SELECT {_READ_COLUMNS}, CASE WHEN tokens > :over THEN layout END AS layout {_READ_WHERE}"
+    f"SELECT {_READ_COLUMNS}, CASE WHEN tokens > :over OR (entries_left_out > 0 AND budget > :over)"
+    f" THEN layout END AS layout {_READ_WHERE}"
 ).columns(**_READ_TYPES)
 
 
@@ -673,8 +674,9 @@ def read(session: Session | Connection, user_id: str, agent_id: str | None, *, l
     """The profile ``agent_id`` reads (one primary-key lookup): its own, or, for an agent
     that owns no entries of the user, the agent-less one (the global entries, which is
     exactly what such an agent may see). A row of the columns a reader needs (None: no
-    profile); its ``layout`` is read only when the profile holds more than
-    ``layout_over`` tokens (a reader's cut needs it then), else it is None."""
+    profile); its ``layout`` is read only when a reader's cut to ``layout_over`` tokens
+    needs it: the profile holds more, or it was cut to a larger budget (a cut to a
+    smaller one is made as a build at that budget would make it), else it is None."""
     params: dict[str, Any] = {"user_id": user_id, "agent_id": agent_id or NO_AGENT}
     if layout_over is None:
         return session.execute(_READ, params).first()

@@ -183,9 +183,10 @@ def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: lis
             # Every line fits in one counting window: the text's count is its parts'.
             return Built(whole[0], whole[1], budget, total, 0, layout)
     if fmt.lines_fit(layout, total, budget):
-        # Every line, if its estimate fits: what the cut would keep, its text made once.
+        # Every line, where the whole text's count fits (a reader keeps a whole profile
+        # whole on the same terms: by its count, not by the estimate a cut is made with).
         text, tokens = _counted(lines, total, total, headers, count=count, by_lines=by_lines)
-        if tokens <= budget and fmt.estimate_of(layout, total, text) <= budget:
+        if tokens <= budget:
             return Built(text, tokens, budget, total, 0, layout)
     kept = fmt.cut(layout, budget)
     text, tokens = _counted(lines, kept, total, headers, count=count, by_lines=by_lines)

@@ -32,9 +32,9 @@ from tasks.erase import erase_user
 from tests.dream_seed import entry, seed
 from worker import llm
 from worker.policy import book
-from worker.profile_text import Layout, assemble, cut, estimate
+from worker.profile_text import cut, estimate
 from worker.profile_text import value_text as fmt_value_text
-from worker.profiles_reader import get_for_prompt
+from worker.profiles_reader import from_stored, get_for_prompt
 from worker.settings import Settings
 
 REVERIE = [sys.executable, "-c", "from worker.cli import main; main()"]
@@ -181,11 +181,23 @@ def test_budget_is_never_exceeded_and_a_smaller_read_cuts_as_the_builder(
     # A reader with a smaller budget, with the stored counts only, makes the builder's cut.
     low = int(budget * smaller)
     again = profiles.build(rows, low, count)
-    layout = Layout.from_json(json.loads(json.dumps(built.layout.to_json())))
-    kept = cut(layout, low)
-    reader_text = assemble(layout.lines[:kept], layout.total - kept) if estimate(layout, kept) <= low else ""
-    assert (kept, reader_text) == (again.included, again.text)
-    assert count(reader_text) <= low
+    read = from_stored(_stored_row(built), None, low)
+    assert (read.entries_included, read.text) == (again.included, again.text)
+    assert count(read.text) <= read.tokens <= low
+
+
+def _stored_row(built: profiles.Built) -> SimpleNamespace:
+    """A built profile as the database hands it to a reader (its layout through JSON)."""
+    return SimpleNamespace(
+        user_id="u",
+        text=built.text,
+        tokens=built.tokens,
+        budget=built.budget,
+        entries_included=built.included,
+        entries_left_out=built.left_out,
+        built_at=None,
+        layout=json.loads(json.dumps(built.layout.to_json())),
+    )
 
 
 @pytest.mark.parametrize(
@@ -202,19 +214,18 @@ def test_a_smaller_read_stays_within_its_budget_where_a_counting_window_cuts_a_l
 
     rows = _rows([(f"k{i:02d}", " ".join([word] * 5), "fact", i, 0, False) for i in range(40)])
     built = profiles.build(rows, 2000, count)
-    layout = Layout.from_json(json.loads(json.dumps(built.layout.to_json())))
+    stored = _stored_row(built)
     over = []
     for low in range(50, 700):
-        kept = cut(layout, low)
-        text = assemble(layout.lines[:kept], layout.total - kept) if estimate(layout, kept) <= low else ""
-        if count(text) > low:
-            over.append((low, kept, count(text)))
+        read = from_stored(stored, None, low)
+        if not count(read.text) <= read.tokens <= low:
+            over.append((low, read.entries_included, count(read.text), read.tokens))
     assert over == []
     # And the reader keeps what a build at that budget keeps.
-    for low in (120, 333, 650):
-        kept = cut(layout, low)
+    for low in (120, 333, 650, built.tokens):
+        read = from_stored(stored, None, low)
         again = profiles.build(rows, low, count)
-        assert (kept, assemble(layout.lines[:kept], layout.total - kept)) == (again.included, again.text)
+        assert (read.entries_included, read.text) == (again.included, again.text)
 
 
 def test_smaller_budget_read_from_the_database(pg_settings: Settings) -> None:
@@ -1202,6 +1213,39 @@ def test_the_build_read_is_compiled_once_not_once_per_refresh(pg_settings: Setti
     assert table_for(pg_settings) is table_for(pg_settings.model_copy())
 
 
+def test_a_profile_whose_whole_text_fits_keeps_every_entry_and_a_reader_cuts_as_a_build_does(
+    store_settings: Settings,
+) -> None:
+    # Ten long words (values of 250 letters, shown cut at 200): the text spans counting
+    # windows whose edges cut words, so the estimate a cut is made with is far above the
+    # count. The whole text fits 500 by its count: a build at 500 keeps every entry, and
+    # a reader cutting a larger build to 500 gives the same profile.
+    rows = [
+        entry("w1", f"note_{i}", "a" * 250, visibility="global", agent=None, age_days=1 + i / 10) for i in range(10)
+    ]
+    at_500 = store_settings.model_copy(update={"profile_token_budget": 500})
+    seed(store_settings, rows)
+    _refresh(at_500, ["w1"])
+    built = get_for_prompt("w1", settings=at_500)
+    assert built.entries_included == 10 and built.entries_left_out == 0
+    assert built.tokens == profiles.counter(store_settings)(built.text) <= 500
+    _refresh(store_settings, ["w1"])  # rebuilt at 2,000 (another budget)
+    read = get_for_prompt("w1", token_budget=500, settings=store_settings)
+    assert (read.text, read.tokens, read.entries_included) == (built.text, built.tokens, built.entries_included)
+    # A budget below the whole text's count cuts, and the reader's cut of the larger
+    # build is again what a build at that budget keeps.
+    tight = built.tokens - 1
+    at_tight = store_settings.model_copy(update={"profile_token_budget": tight})
+    read = get_for_prompt("w1", token_budget=tight, settings=store_settings)
+    _refresh(at_tight, ["w1"])
+    rebuilt = get_for_prompt("w1", settings=at_tight)
+    assert read.entries_included == rebuilt.entries_included < 10
+    assert read.text == rebuilt.text and read.tokens >= rebuilt.tokens
+    # And one cut to a larger budget, read at a budget between its count and its own.
+    read = get_for_prompt("w1", token_budget=rebuilt.tokens, settings=at_tight)
+    assert (read.text, read.entries_included) == (rebuilt.text, rebuilt.entries_included)
+
+
 def test_a_budget_of_any_size_reads_the_whole_profile(store_settings: Settings) -> None:
     # "At most this many tokens": a budget past any integer the database binds is no cut.
     seed(store_settings, _world("u1"))
@@ -1212,6 +1256,7 @@ def test_a_budget_of_any_size_reads_the_whole_profile(store_settings: Settings) 
         assert (read.text, read.tokens, read.entries_included) == (whole.text, whole.tokens, whole.entries_included)
     shown = subprocess.run(
         [*REVERIE, "profile", "u1", "--agent", "agent-a", "--budget", str(2**63)],
+        check=False,
         capture_output=True,
         text=True,
         env={**os.environ, "REVERIE_DATABASE_URL": store_settings.database_url},

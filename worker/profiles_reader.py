@@ -69,9 +69,18 @@ def _read(
     if row is None:
         budget = token_budget if token_budget is not None else (settings or get_settings()).profile_token_budget
         return PromptProfile(user_id, agent_id, "", 0, budget, 0, 0, None)
-    if token_budget is None or token_budget >= row.tokens:
-        budget = row.budget if token_budget is None else min(token_budget, row.budget)
-        return _whole(row, agent_id, max(budget, row.tokens))
+    return from_stored(row, agent_id, token_budget)
+
+
+def from_stored(row: Any, agent_id: str | None, token_budget: int | None) -> PromptProfile:
+    """The profile a reader gets of a stored profile row (its columns, ``layout`` as
+    JSON where the cut needs it) at ``token_budget``: what a build at that budget keeps.
+    A profile that holds every entry stays whole at any budget its text's count fits;
+    one cut to a larger budget is cut again by the estimate a build cuts with."""
+    if token_budget is None:
+        return _whole(row, agent_id, max(row.budget, row.tokens))
+    if token_budget >= row.budget or (token_budget >= row.tokens and not row.entries_left_out):
+        return _whole(row, agent_id, max(min(token_budget, row.budget), row.tokens))
     return _cut(row, agent_id, token_budget)
 
 
@@ -85,6 +94,8 @@ def _cut(row: Any, agent_id: str | None, budget: int) -> PromptProfile:
     layout = Layout.from_json(row.layout)
     kept = cut(layout, budget)
     if kept >= row.entries_included and row.entries_included:
+        if row.tokens <= budget:
+            return _whole(row, agent_id, budget)  # the stored cut is this budget's too
         # The stored text itself is over this budget: at least one line goes.
         kept = row.entries_included - 1
     text = assemble(layout.lines[:kept], layout.total - kept)
