@@ -162,6 +162,15 @@ def test_redact_text_removes_secret_shapes(text: str, leak: str) -> None:
         ),
         ("redis://:pw@redis:6379/0", "redis://:***@redis:6379/0"),
         ("sqlite:///reverie.db", "sqlite:///reverie.db"),
+        # Drivers take a password with these characters unescaped: none of it shows.
+        ("postgresql://op:pa/ss@127.0.0.1:5433/app", "postgresql://op:***@127.0.0.1:5433/app"),
+        ("postgresql://op:top@sec/ret@db/app", "postgresql://op:***@db/app"),
+        ("postgresql://op:pa?ss@db/app", "postgresql://op:***@db/app"),
+        ("postgresql://op:pa#ss@db/app?application_name=w", "postgresql://op:***@db/app?application_name=w"),
+        # No password: a port is not one, nor an @ in the query.
+        ("redis://redis:6379/0", "redis://redis:6379/0"),
+        ("postgresql://db:5432/app?application_name=me@host", "postgresql://db:5432/app?application_name=me@host"),
+        ("postgresql://op:@db/app", "postgresql://op:@db/app"),
     ],
 )
 def test_url_secrets_are_masked_and_the_rest_kept(url: str, shown: str) -> None:

@@ -16,7 +16,8 @@ MASK = "***"
 #: A query parameter whose name contains one of these carries a secret.
 _SECRET_PARAM_PARTS = ("pass", "pwd", "token", "secret", "key", "credential", "auth", "sig")
 _URL = re.compile(r"\b[a-z][a-z0-9+.\-]*://[^\s'\"<>]+", re.IGNORECASE)
-_USERINFO_PASSWORD = re.compile(r"^(?P<scheme>[^:/]+://)(?P<user>[^:@/]*):(?P<password>[^@/]*)@", re.IGNORECASE)
+#: The user-info's start: scheme, user and the colon before a password.
+_USERINFO = re.compile(r"^(?P<scheme>[^:/]+://)(?P<user>[^:@/]*):", re.IGNORECASE)
 # libpq's key=value form ("host=db password=x"), outside any URL.
 _KEYWORD = re.compile(r"(?i)\b(\w*(?:password|passwd|pwd|secret|token)\w*)(\s*=\s*)(?!\*\*\*)[^\s&'\"]+")
 
@@ -28,9 +29,7 @@ def is_secret_param(name: str) -> bool:
 
 def mask_url(url: str) -> str:
     """``url`` with its user-info password and every secret query parameter masked."""
-    masked = _USERINFO_PASSWORD.sub(
-        lambda m: f"{m['scheme']}{m['user']}:{MASK}@" if m["password"] else m.group(0), url, count=1
-    )
+    masked = _mask_password(url)
     head, sep, rest = masked.partition("?")
     if not sep:
         return masked
@@ -40,6 +39,25 @@ def mask_url(url: str) -> str:
         name, eq, value = part.partition("=")
         params.append(f"{name}={MASK}" if eq and value and is_secret_param(name) else part)
     return f"{head}?{'&'.join(params)}{hash_sep}{fragment}"
+
+
+def _mask_password(url: str) -> str:
+    """``url`` with its user-info password masked. A password may hold ``/``, ``@``, ``?``
+    and ``#`` (drivers take them unescaped): it runs to the last ``@`` before the query,
+    or, where none is there, to the first ``@`` with no ``/`` before it (a ``?`` in the
+    password), never short of a character that could still be the password's."""
+    found = _USERINFO.match(url)
+    if found is None:
+        return url
+    start = found.end()
+    at = url.partition("?")[0].rfind("@")
+    if at < start:
+        at = url.find("@", start)
+        if at < 0 or "/" in url[start:at]:
+            return url  # a host and port (``redis://host:6379/0``): no password
+    if at == start:
+        return url  # an empty password
+    return f"{found['scheme']}{found['user']}:{MASK}{url[at:]}"
 
 
 def mask_secrets(text: str) -> str:
