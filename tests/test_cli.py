@@ -465,6 +465,31 @@ def test_run_refuses_a_metrics_textfile_it_cannot_write_before_the_pass(
     assert json.loads(run(["signals", "list", "--json"], env=env).stdout)["status"] == "pending"
 
 
+def test_run_refuses_a_metrics_textfile_that_is_a_pipe_or_device_and_leaves_it_as_it_is(
+    sqlite_settings: Settings, tmp_path: Path
+) -> None:
+    # The file is replaced by a rename: pointed at /dev/null (to throw the metrics away)
+    # it would have put a regular file in the device's place; a pipe hung the pass.
+    import stat
+
+    pipe = tmp_path / "pipe.prom"
+    os.mkfifo(pipe)
+    targets = [pipe]
+    if os.geteuid() == 0:
+        null = tmp_path / "null"
+        os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        targets.append(null)
+    seed(sqlite_settings, [entry("u1", "city", "Lisbon")])
+    env = {"REVERIE_DATABASE_URL": sqlite_settings.database_url}
+    for target in targets:
+        result = run(["run", "--user", "u1", "--metrics-textfile", str(target)], env=env)
+        assert result.returncode == 2
+        assert_one_line_error(result, "--metrics-textfile", "not a regular file")
+        mode = target.lstat().st_mode
+        assert stat.S_ISFIFO(mode) if target == pipe else stat.S_ISCHR(mode)
+    assert _runs(sqlite_settings) == 0
+
+
 def test_run_whose_metrics_cannot_be_written_after_the_pass_prints_its_summary_and_says_so(
     pg_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -71,6 +71,10 @@ def unwritable(path: Path) -> str | None:
     path = Path(path)
     if path.is_dir():
         return "is a directory, not a file"
+    if path.exists() and not path.is_file():
+        # A device (/dev/null), a pipe or a socket: the write replaces the file by
+        # renaming over it, which would put a regular file in a device's place.
+        return "is not a regular file (a device, pipe or socket)"
     if not path.parent.is_dir():
         return f"its directory {path.parent} does not exist"
     if not os.access(path.parent, os.W_OK | os.X_OK):
