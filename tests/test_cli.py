@@ -76,6 +76,22 @@ def test_bad_setting_is_one_line() -> None:
     assert_one_line_error(result, "REVERIE_METRICS_PORT")
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("REVERIE_MAX_COST_PER_DAY", "inf"),
+        ("REVERIE_MAX_COST_PER_RUN", "Infinity"),
+        ("REVERIE_DREAM_INTERVAL_HOURS", "inf"),
+    ],
+)
+def test_an_infinite_setting_is_refused_in_one_line(name: str, value: str, tmp_path: Path) -> None:
+    # An infinite cap overflowed the budget's integer nano-dollars and made policy show
+    # print JSON no parser takes (Infinity).
+    result = run(["policy", "show"], env={"REVERIE_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}", name: value})
+    assert_one_line_error(result, name, "finite")
+    assert result.stdout == ""
+
+
 def test_unknown_database_scheme_is_one_line() -> None:
     result = run(["migrate"], env={"REVERIE_DATABASE_URL": "mysql://x@localhost/db"})
     assert_one_line_error(result, "unsupported database")
@@ -488,6 +504,17 @@ def test_run_refuses_a_metrics_textfile_that_is_a_pipe_or_device_and_leaves_it_a
         mode = target.lstat().st_mode
         assert stat.S_ISFIFO(mode) if target == pipe else stat.S_ISCHR(mode)
     assert _runs(sqlite_settings) == 0
+
+
+def test_a_payload_refused_for_a_field_never_quotes_what_the_producer_put_there(sqlite_settings: Settings) -> None:
+    # The error is printed, and kept as the signal's last error after retention has
+    # emptied its payload: it names the field, not its text.
+    env = {"REVERIE_DATABASE_URL": sqlite_settings.database_url}
+    for at in ("my pin is 4321", "12026-01-01T00:00:00"):
+        payload = json.dumps({"events": [{"action": "gym", "at": at}]})
+        result = run(["enqueue", "activity", "--user", "u1", "--payload", "-"], env=env, stdin=payload)
+        assert_one_line_error(result, "payload.events[0].at")
+        assert "4321" not in result.stderr and "12026" not in result.stderr
 
 
 def test_run_whose_metrics_cannot_be_written_after_the_pass_prints_its_summary_and_says_so(

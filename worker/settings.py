@@ -37,7 +37,10 @@ EDDI_MEMORY_COLUMNS = frozenset(
 class Settings(BaseSettings):
     """Every knob Reverie has. Per-agent policies override the dream defaults."""
 
-    model_config = SettingsConfigDict(env_prefix="REVERIE_", env_file=".env", env_file_encoding="utf-8", extra="ignore")
+    # No setting is infinite (a cost cap of inf, an interval of inf): each one is refused.
+    model_config = SettingsConfigDict(
+        env_prefix="REVERIE_", env_file=".env", env_file_encoding="utf-8", extra="ignore", allow_inf_nan=False
+    )
 
     # -- connections --------------------------------------------------------------
     database_url: str = DEFAULT_DATABASE_URL
