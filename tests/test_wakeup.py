@@ -137,3 +137,32 @@ def test_importing_the_producer_loads_neither_celery_nor_kombu_nor_litellm() -> 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
 
     assert out.stdout.strip() == ""
+
+
+def test_signals_put_back_by_retry_are_woken_at_once(broker_settings: Settings, redis_client: redis_lib.Redis) -> None:
+    # Putting a signal back inserts no row, so PostgreSQL sends no notice: without a
+    # wake-up of its own it waited for the sweeper (a minute).
+    from sqlalchemy import update
+
+    from store.models import Signal
+
+    first = enqueue_signal("activity", "u1", PAYLOAD, idempotency_key="r1", settings=broker_settings).signal_id
+    second = enqueue_signal("activity", "u1", PAYLOAD, idempotency_key="r2", settings=broker_settings).signal_id
+    with session_scope(broker_settings) as session:
+        session.execute(update(Signal).where(Signal.id.in_([first, second])).values(status="dead", attempts=5))
+    redis_client.flushdb()
+    env = {
+        "REVERIE_DATABASE_URL": broker_settings.database_url,
+        "REVERIE_BROKER_URL": broker_settings.broker_url,
+        "PATH": "/usr/bin:/bin",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", "from worker.cli import main; main()", "signals", "retry", "--all-dead"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(args for _, args in _messages(redis_client, "signals")) == sorted([[first], [second]])

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from worker.cli.common import app, fail, load_settings
+from worker.url_secrets import mask_secrets
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
 
 signals_app = typer.Typer(help="Inspect and replay queued signals.", no_args_is_help=True)
 app.add_typer(signals_app, name="signals")
@@ -129,3 +133,18 @@ def retry(
         print("no dead signal; nothing changed")
         return
     print(f"put back {len(ids)} signal(s): {', '.join(map(str, ids[:20]))}{' ...' if len(ids) > 20 else ''}")
+    _wake_retried(settings, ids)
+
+
+def _wake_retried(settings: Settings, ids: list[int]) -> None:
+    """Wake-ups for signals put back (committed): no row is inserted, so PostgreSQL sends
+    no notice, and without a wake-up they would wait for the sweeper."""
+    if not settings.broker_url:
+        return  # no broker: the next `reverie run` takes them
+    from worker.errors import BrokerUnavailable
+    from worker.wakeup import wake_signals
+
+    try:
+        wake_signals(settings, ids)
+    except BrokerUnavailable as exc:
+        print(f"reverie: no wake-up sent ({mask_secrets(exc.reason)}); the sweeper delivers them", file=sys.stderr)
