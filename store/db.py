@@ -40,7 +40,7 @@ def safe_url(url: str) -> str:
     """The URL with every secret masked (password, ``?password=``...), for messages and logs."""
     try:
         make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return "<invalid url>"
     return mask_url(url)
 
@@ -196,6 +196,8 @@ def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any
         parsed = make_url(url)
     except ArgumentError as exc:
         raise ConfigError(f"REVERIE_DATABASE_URL is not a database URL: {safe_url(url)}") from exc
+    except ValueError as exc:
+        raise ConfigError("REVERIE_DATABASE_URL is not a database URL: its port is not a number") from exc
     # A statement's parameters (memory values, user ids) stay out of its errors' text,
     # which may be logged or kept.
     kwargs.setdefault("hide_parameters", True)

@@ -92,6 +92,12 @@ def test_an_infinite_setting_is_refused_in_one_line(name: str, value: str, tmp_p
     assert result.stdout == ""
 
 
+def test_a_database_url_whose_port_is_not_a_number_is_one_line() -> None:
+    result = run(["health"], env={"REVERIE_DATABASE_URL": "postgresql://u:secret@127.0.0.1:abc/x"})
+    assert_one_line_error(result, "REVERIE_DATABASE_URL", "port is not a number")
+    assert "secret" not in result.stderr
+
+
 def test_unknown_database_scheme_is_one_line() -> None:
     result = run(["migrate"], env={"REVERIE_DATABASE_URL": "mysql://x@localhost/db"})
     assert_one_line_error(result, "unsupported database")
