@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from store import erase as erase_store
 from store import locks
-from store.db import committing, session_scope
+from store.db import committing, give_back, session_scope
 from store.models import UserState
 from tasks.leases import LeaseKeeper
 from worker.errors import LeaseLost, UserBusy
@@ -46,7 +46,8 @@ def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None =
     deadline = time.monotonic() + (lease_wait(settings) if wait_seconds is None else wait_seconds)
     first_had_schedule: bool | None = None
     while True:
-        token, had_schedule = _take_lease(settings, user_id, deadline)
+        taking = _take_lease(settings, user_id, deadline)
+        token, had_schedule = taking.token, not taking.made_row
         # A second try finds the row its first lease made: not the user's data either.
         first_had_schedule = had_schedule if first_had_schedule is None else first_had_schedule
         # Renewed while the erasing transaction waits for the user's rows: a dream run
@@ -58,6 +59,12 @@ def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None =
         except LeaseLost:
             log.info("erase_lease_lost", user=user_ref(user_id, settings.log_hash_key))
             continue
+        except BaseException:
+            # Rolled back, nothing erased: the lease goes back now (with the schedule row
+            # it made for a user that had none), not when it runs out minutes later,
+            # holding the user's dreams off until then.
+            give_back(settings, taking.give_back, within=5.0)
+            raise
         break
     if not first_had_schedule and counts.get(UserState.__tablename__):
         counts[UserState.__tablename__] -= 1  # the row the lease itself made: not the user's data
@@ -91,10 +98,9 @@ class _Taking:
             locks.release(session, self.user_id, self.token)
 
 
-def _take_lease(settings: Settings, user_id: str, deadline: float) -> tuple[str, bool]:
-    """Take the user's dream lease, waiting until ``deadline`` for a run that holds it;
-    the lease's token, and whether the user had a schedule row before (taking the lease
-    makes one)."""
+def _take_lease(settings: Settings, user_id: str, deadline: float) -> _Taking:
+    """Take the user's dream lease, waiting until ``deadline`` for a run that holds it:
+    its token, and whether taking it made the user's schedule row (the user had none)."""
     taking = _Taking(user_id)
     logged = False
     while True:
@@ -107,7 +113,7 @@ def _take_lease(settings: Settings, user_id: str, deadline: float) -> tuple[str,
             took = locks.take(session, user_id, taking.token, ERASE_LEASE)
             taking.made_row = took.made_row
             if took.taken:
-                return taking.token, not took.made_row
+                return taking
         if time.monotonic() >= deadline:
             raise UserBusy(user_ref(user_id, settings.log_hash_key))
         if not logged:

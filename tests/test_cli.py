@@ -283,6 +283,28 @@ def _seed_one_entry(settings: Settings, user: str) -> None:
         )
 
 
+def test_an_erasure_that_fails_gives_the_lease_back_at_once(store_settings: Settings) -> None:
+    # Rolled back (here: a memory table that is not there), the erasure held the user's
+    # lease for minutes all the same: the next run skipped the user as busy.
+    from sqlalchemy import select
+
+    from store.db import session_scope
+    from store.models import UserState
+
+    seed(store_settings, [entry("u1", "city", "Lisbon")])
+    env = {"REVERIE_DATABASE_URL": store_settings.database_url}
+    assert run(["run", "--user", "u1"], env=env).returncode == 0  # the user has a schedule row
+    for user in ("u1", "u-none"):
+        failed = run(["erase-user", user, "--yes"], env={**env, "REVERIE_MEMORY_TABLE": "no_such_table"})
+        assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    with session_scope(store_settings) as session:
+        states = {row.user_id: row for row in session.scalars(select(UserState))}
+    assert set(states) == {"u1"}  # no schedule row is left for a user that had none
+    assert states["u1"].lock_token is None and states["u1"].locked_until is None
+    again = run(["run", "--user", "u1", "--json"], env=env)
+    assert again.returncode == 0 and json.loads(again.stdout)["users_processed"] == 1
+
+
 def test_erase_user_asks_on_a_terminal_and_no_keeps_everything(pg_settings: Settings) -> None:
     _seed_one_entry(pg_settings, "u-keep")
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
