@@ -240,8 +240,6 @@ def get_read_engine(settings: Settings) -> Engine:
     own that hands out connections without that check: on a prompt's path the check is
     a round trip of its own (about a third of a profile read's time), and a read can
     simply be made again on a new connection where the pooled one turns out dropped."""
-    if make_url(settings.database_url).get_backend_name() != "postgresql":
-        return get_engine(settings)
     return _engine(settings, reads=True)
 
 
@@ -249,6 +247,9 @@ def _engine(settings: Settings, *, reads: bool) -> Engine:
     key = (os.getpid(), settings.database_url, reads)
     engine = _engines.get(key)
     if engine is None:
+        if reads and get_engine(settings).dialect.name != "postgresql":
+            engine = _engines[key] = get_engine(settings)  # SQLite: one engine for all
+            return engine
         options = {"pool_pre_ping": False} if reads else {}
         engine = _engines[key] = build_engine(settings.database_url, guards=SessionGuards.of(settings), **options)
     return engine

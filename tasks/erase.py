@@ -50,6 +50,8 @@ def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None =
         token, had_schedule = taking.token, not taking.made_row
         # A second try finds the row its first lease made: not the user's data either.
         first_had_schedule = had_schedule if first_had_schedule is None else first_had_schedule
+        # Given back on failure with that row too, whichever try made it.
+        taking.made_row = not first_had_schedule
         # Renewed while the erasing transaction waits for the user's rows: a dream run
         # must not take the user over meanwhile. Re-taken in that transaction, so an
         # erasure whose lease ran out anyway (a frozen process) is rolled back and tried again.
@@ -60,9 +62,10 @@ def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None =
             log.info("erase_lease_lost", user=user_ref(user_id, settings.log_hash_key))
             continue
         except BaseException:
-            # Rolled back, nothing erased: the lease goes back now (with the schedule row
-            # it made for a user that had none), not when it runs out minutes later,
-            # holding the user's dreams off until then.
+            # Nothing erased (or, where the commit's reply was lost, everything, the
+            # lease's row included): the lease goes back now, with the schedule row it
+            # made for a user that had none, not when it runs out minutes later, holding
+            # the user's dreams off until then.
             give_back(settings, taking.give_back, within=5.0)
             raise
         break

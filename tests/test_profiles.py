@@ -1254,12 +1254,11 @@ def test_a_budget_of_any_size_reads_the_whole_profile(store_settings: Settings) 
     for budget in (2**31, 2**63, 10**40):
         read = get_for_prompt("u1", "agent-a", budget, settings=store_settings)
         assert (read.text, read.tokens, read.entries_included) == (whole.text, whole.tokens, whole.entries_included)
-    shown = subprocess.run(
-        [*REVERIE, "profile", "u1", "--agent", "agent-a", "--budget", str(2**63)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "REVERIE_DATABASE_URL": store_settings.database_url},
+    from tests.test_cli import run
+
+    shown = run(
+        ["profile", "u1", "--agent", "agent-a", "--budget", str(2**63)],
+        env={"REVERIE_DATABASE_URL": store_settings.database_url},
     )
     assert shown.returncode == 0 and shown.stdout == whole.text, shown.stderr
 

@@ -151,18 +151,9 @@ def test_signals_put_back_by_retry_are_woken_at_once(broker_settings: Settings, 
     with session_scope(broker_settings) as session:
         session.execute(update(Signal).where(Signal.id.in_([first, second])).values(status="dead", attempts=5))
     redis_client.flushdb()
-    env = {
-        "REVERIE_DATABASE_URL": broker_settings.database_url,
-        "REVERIE_BROKER_URL": broker_settings.broker_url,
-        "PATH": "/usr/bin:/bin",
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", "from worker.cli import main; main()", "signals", "retry", "--all-dead"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    from tests.test_cli import run
+
+    env = {"REVERIE_DATABASE_URL": broker_settings.database_url, "REVERIE_BROKER_URL": broker_settings.broker_url}
+    result = run(["signals", "retry", "--all-dead"], env=env)
     assert result.returncode == 0, result.stderr
     assert sorted(args for _, args in _messages(redis_client, "signals")) == sorted([[first], [second]])
