@@ -130,7 +130,9 @@ def test_worker_and_beat_process_signals_and_dreams_and_survive_sigkill_and_sigt
         service,
     )
     os.kill(worker2.pid, signal.SIGTERM)
-    assert worker2.wait(timeout=30) == 0
+    # Generous: a loaded machine's warm shutdown finishes its tasks in flight first (one
+    # took over 30 s on a busy CI host); the point is the exit status and nothing half-done.
+    assert worker2.wait(timeout=120) == 0
     # Nothing is left half-done: a task that started has finished.
     assert db.statuses(third).get("processing", 0) == 0
 
