@@ -16,7 +16,9 @@ from worker.cli import app
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVICES = {"postgres", "redis", "migrate", "worker", "beat", "prometheus"}
+SERVICES = {"postgres", "redis", "migrate", "worker", "dreamer", "beat", "prometheus"}
+#: The two workers, and the queues each consumes.
+WORKERS = {"worker": {"signals", "housekeeping"}, "dreamer": {"dreams"}}
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +48,28 @@ def test_redis_never_evicts_and_keeps_an_append_only_file(compose: dict[str, Any
     assert command[command.index("--appendonly") + 1] == "yes"
 
 
-@pytest.mark.parametrize("service", ["migrate", "worker", "beat"])
+@pytest.mark.parametrize("service", ["migrate", "worker", "dreamer", "beat"])
 def test_service_commands_are_real_reverie_invocations(compose: dict[str, Any], service: str) -> None:
     argv = compose["services"][service]["command"]
     context = _parse_reverie(argv)
-    assert context.info_name == {"migrate": "migrate", "worker": "worker", "beat": "beat"}[service]
-    if service == "worker":
-        assert set(context.params["queues"].split(",")) == {"signals", "dreams", "housekeeping"}
+    assert context.info_name == {"migrate": "migrate", "worker": "worker", "dreamer": "worker", "beat": "beat"}[service]
+    if service in WORKERS:
+        assert set(context.params["queues"].split(",")) == WORKERS[service]
+
+
+def test_every_queue_is_consumed_and_signals_never_wait_behind_dream_runs(compose: dict[str, Any]) -> None:
+    # A dream chunk runs for tens of seconds: a worker that took signals and dreams kept
+    # signals waiting as long behind one. Every queue the tasks are routed to is consumed.
+    from worker.app import DREAMS_QUEUE, QUEUES, ROUTES, SIGNALS_QUEUE
+
+    consumed: dict[str, set[str]] = {}
+    for name, service in compose["services"].items():
+        argv = service.get("command") or []
+        if argv[:2] == ["reverie", "worker"]:
+            consumed[name] = set(_parse_reverie(argv).params["queues"].split(","))
+    assert set().union(*consumed.values()) == set(QUEUES) >= {route["queue"] for route in ROUTES.values()}
+    for name, queues in consumed.items():
+        assert not {SIGNALS_QUEUE, DREAMS_QUEUE} <= queues, name
 
 
 def _health_commands(compose: dict[str, Any], service: str) -> list[list[str]]:
@@ -63,8 +80,11 @@ def _health_commands(compose: dict[str, Any], service: str) -> list[list[str]]:
     return [part.split() for part in test[1].split("&&")]
 
 
-def test_the_worker_healthcheck_checks_the_database_the_broker_metrics_and_a_ping(compose: dict[str, Any]) -> None:
-    commands = _health_commands(compose, "worker")
+@pytest.mark.parametrize("service", sorted(WORKERS))
+def test_the_worker_healthcheck_checks_the_database_the_broker_metrics_and_a_ping(
+    compose: dict[str, Any], service: str
+) -> None:
+    commands = _health_commands(compose, service)
     health = _parse_reverie(commands[0])
     assert health.info_name == "health"
     assert health.params["broker"] and health.params["metrics"]
@@ -78,13 +98,14 @@ def test_beat_has_a_healthcheck_that_checks_the_database_and_the_broker(compose:
 
 
 def test_workers_can_be_scaled_and_are_all_scraped(compose: dict[str, Any]) -> None:
-    worker = compose["services"]["worker"]
-    assert "ports" not in worker  # a fixed host port would block --scale worker=3
     port = Settings.model_fields["metrics_port"].default
-    assert str(port) in worker["expose"]
+    for name in WORKERS:
+        worker = compose["services"][name]
+        assert "ports" not in worker  # a fixed host port would block --scale worker=3
+        assert str(port) in worker["expose"]
     scrape = yaml.safe_load((ROOT / "ops" / "prometheus.yml").read_text())
     (job,) = [j for j in scrape["scrape_configs"] if j["job_name"] == "reverie"]
-    assert job["dns_sd_configs"] == [{"names": ["worker"], "type": "A", "port": port}]
+    assert job["dns_sd_configs"] == [{"names": ["worker", "dreamer"], "type": "A", "port": port}]
 
 
 def test_the_log_hash_key_has_no_public_default_in_the_stack(compose: dict[str, Any]) -> None:
@@ -113,15 +134,18 @@ def test_the_image_installs_the_pinned_set(compose: dict[str, Any]) -> None:
 def test_start_up_order(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
-    for name in ("worker", "beat"):
+    for name in ("worker", "dreamer", "beat"):
         assert services[name]["depends_on"] == {
             "migrate": {"condition": "service_completed_successfully"},
             "redis": {"condition": "service_healthy"},
         }
-    assert services["prometheus"]["depends_on"] == {"worker": {"condition": "service_healthy"}}
+    assert services["prometheus"]["depends_on"] == {
+        "worker": {"condition": "service_healthy"},
+        "dreamer": {"condition": "service_healthy"},
+    }
     assert services["migrate"]["restart"] == "no"
     assert services["beat"]["deploy"]["replicas"] == 1
-    for name in ("postgres", "redis", "worker", "beat"):
+    for name in ("postgres", "redis", "worker", "dreamer", "beat"):
         assert "healthcheck" in services[name], name
 
 
@@ -130,7 +154,7 @@ def test_environment_agrees_with_the_settings_and_the_other_services(
 ) -> None:
     services = compose["services"]
     env: dict[str, str] = services["worker"]["environment"]
-    for name in ("migrate", "worker", "beat"):
+    for name in ("migrate", "worker", "dreamer", "beat"):
         assert services[name]["environment"] == env
     for key, value in env.items():
         assert key.startswith("REVERIE_")
@@ -155,7 +179,7 @@ def test_prometheus_scrapes_the_worker_on_the_metrics_port(compose: dict[str, An
         (name, sd["port"]) for job in scrape["scrape_configs"] for sd in job["dns_sd_configs"] for name in sd["names"]
     ]
     port = int(compose["services"]["worker"]["environment"]["REVERIE_METRICS_PORT"])
-    assert ("worker", port) in found
+    assert {("worker", port), ("dreamer", port)} <= set(found)
     for rule_file in scrape.get("rule_files", []):
         assert (ROOT / "ops" / rule_file).is_file()
 

@@ -111,7 +111,7 @@ def test_every_workload_runs_the_image_compose_builds(
     (override,) = kustomization["images"]
     assert override == {"name": name, "newTag": tag}
     workloads = _workloads(manifests)
-    assert set(workloads) == {"reverie-migrate", "reverie-worker", "reverie-beat"}
+    assert set(workloads) == {"reverie-migrate", "reverie-worker", "reverie-dreamer", "reverie-beat"}
     for obj in workloads.values():
         for container in _containers(obj):
             assert container["image"] == name
@@ -151,10 +151,15 @@ def test_every_command_is_a_real_reverie_invocation(manifests: dict[tuple[str, s
         assert "Usage:" in done.stdout
 
 
+#: The two workers' Deployments, and the queues each consumes.
+WORKERS = {"reverie-worker": {"signals", "housekeeping"}, "reverie-dreamer": {"dreams"}}
+
+
+@pytest.mark.parametrize("deployment", sorted(WORKERS))
 def test_the_worker_serves_metrics_and_is_probed_with_reverie_health(
-    manifests: dict[tuple[str, str], dict[str, Any]],
+    manifests: dict[tuple[str, str], dict[str, Any]], deployment: str
 ) -> None:
-    (container,) = _containers(manifests[("Deployment", "reverie-worker")])
+    (container,) = _containers(manifests[("Deployment", deployment)])
     port = Settings.model_fields["metrics_port"].default
     assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
     assert str(port) == manifests[("ConfigMap", "reverie-settings")]["data"]["REVERIE_METRICS_PORT"]
@@ -163,7 +168,7 @@ def test_the_worker_serves_metrics_and_is_probed_with_reverie_health(
     alive = _parse_reverie(container["livenessProbe"]["exec"]["command"])
     assert alive.info_name == "health" and alive.params["metrics"]
     worker = _parse_reverie(container["command"])
-    assert set(worker.params["queues"].split(",")) == {"signals", "dreams", "housekeeping"}
+    assert set(worker.params["queues"].split(",")) == WORKERS[deployment]
     assert {"cpu", "memory"} <= set(container["resources"]["requests"])
     assert "memory" in container["resources"]["limits"]
 
@@ -199,13 +204,42 @@ def test_settings_in_the_configmap_and_secret_are_real_settings(
         assert "CHANGE-ME" in values[key], key
 
 
+def test_every_queue_is_consumed_and_signals_never_wait_behind_dream_runs(
+    manifests: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    from worker.app import DREAMS_QUEUE, QUEUES, SIGNALS_QUEUE
+
+    consumed = {}
+    for name, obj in _workloads(manifests).items():
+        for container in _containers(obj):
+            if container["command"][:2] == ["reverie", "worker"]:
+                consumed[name] = set(_parse_reverie(container["command"]).params["queues"].split(","))
+    assert consumed == WORKERS
+    assert set().union(*consumed.values()) == set(QUEUES)
+    for name, queues in consumed.items():
+        assert not {SIGNALS_QUEUE, DREAMS_QUEUE} <= queues, name
+
+
+def test_no_deployment_selects_another_ones_pods(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+    deployments = {name: obj for (kind, name), obj in manifests.items() if kind == "Deployment"}
+    for name, obj in deployments.items():
+        selector = obj["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= obj["spec"]["template"]["metadata"]["labels"].items(), name
+        for other, other_obj in deployments.items():
+            if other != name:
+                labels = other_obj["spec"]["template"]["metadata"]["labels"]
+                assert not selector.items() <= labels.items(), (name, other)
+
+
 def test_the_metrics_service_and_servicemonitor_reach_the_worker_pods(
     manifests: dict[tuple[str, str], dict[str, Any]],
 ) -> None:
-    worker = manifests[("Deployment", "reverie-worker")]
-    pod_labels = worker["spec"]["template"]["metadata"]["labels"]
     service = manifests[("Service", "reverie-worker-metrics")]
-    assert service["spec"]["selector"].items() <= pod_labels.items()
+    for deployment in WORKERS:
+        pod_labels = manifests[("Deployment", deployment)]["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= pod_labels.items(), deployment
+    beat_labels = manifests[("Deployment", "reverie-beat")]["spec"]["template"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= beat_labels.items()
     (port,) = service["spec"]["ports"]
     assert port["targetPort"] == "metrics" and port["port"] == Settings.model_fields["metrics_port"].default
 
@@ -217,21 +251,22 @@ def test_the_metrics_service_and_servicemonitor_reach_the_worker_pods(
     assert endpoint["path"] == "/metrics"
 
 
-def _scaled_object(manifests: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
-    return manifests[("ScaledObject", "reverie-worker")]
+def _scaled_object(manifests: dict[tuple[str, str], dict[str, Any]], name: str) -> dict[str, Any]:
+    return manifests[("ScaledObject", name)]
 
 
+@pytest.mark.parametrize("deployment", sorted(WORKERS))
 def test_the_scaledobject_scales_the_worker_on_a_postgresql_query(
-    manifests: dict[tuple[str, str], dict[str, Any]],
+    manifests: dict[tuple[str, str], dict[str, Any]], deployment: str
 ) -> None:
-    scaled = _scaled_object(manifests)
+    scaled = _scaled_object(manifests, deployment)
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     spec = scaled["spec"]
     target = spec["scaleTargetRef"]
     assert target.get("kind", "Deployment") == "Deployment"
     assert target.get("apiVersion", "apps/v1") == "apps/v1"
     assert ("Deployment", target["name"]) in manifests
-    assert target["name"] == "reverie-worker"
+    assert target["name"] == deployment
     assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
     assert isinstance(spec["pollingInterval"], int) and isinstance(spec["cooldownPeriod"], int)
     (trigger,) = spec["triggers"]
@@ -250,13 +285,14 @@ def test_the_scaledobject_scales_the_worker_on_a_postgresql_query(
     assert metadata["connectionFromEnv"] in manifests[("Secret", secret)]["stringData"]
 
 
-def _query(manifests: dict[tuple[str, str], dict[str, Any]]) -> str:
-    query: str = _scaled_object(manifests)["spec"]["triggers"][0]["metadata"]["query"]
+def _query(manifests: dict[tuple[str, str], dict[str, Any]], name: str) -> str:
+    query: str = _scaled_object(manifests, name)["spec"]["triggers"][0]["metadata"]["query"]
     return query
 
 
-def _seed(conn: psycopg.Connection[Any]) -> int:
-    """Signals and schedule rows of every kind; returns how many are work to do."""
+def _seed(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    """Signals and schedule rows of every kind; returns how many are work to do, per
+    worker Deployment."""
     at = now()
     signals = [
         ("pending", at, 3),
@@ -299,21 +335,22 @@ def _seed(conn: psycopg.Connection[Any]) -> int:
     waiting_signals = 3 + 2 + 1
     # due-1, due-2, dirty, dirty-already-sent (its run is in flight), in-flight, in-flight-new
     waiting_users = 6
-    return waiting_signals + waiting_users
+    return {"reverie-worker": waiting_signals, "reverie-dreamer": waiting_users}
 
 
 def test_the_scaling_query_counts_the_work_waiting_and_in_flight(
     manifests: dict[tuple[str, str], dict[str, Any]], pg_settings: Settings
 ) -> None:
-    query = _query(manifests)
     url = pg_settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
     with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(query).fetchone()
-        assert row is not None and row[0] == 0  # a fresh database: no work, zero replicas wanted
+        for deployment in WORKERS:
+            row = conn.execute(_query(manifests, deployment)).fetchone()
+            assert row is not None and row[0] == 0  # a fresh database: no work, zero replicas wanted
         expected = _seed(conn)
-        (value,) = conn.execute(query).fetchone() or (None,)
-        assert value == expected
-        assert isinstance(value, int)
+        for deployment in WORKERS:
+            (value,) = conn.execute(_query(manifests, deployment)).fetchone() or (None,)
+            assert value == expected[deployment], deployment
+            assert isinstance(value, int)
 
 
 def test_the_scaling_query_is_served_by_indexes(
@@ -324,5 +361,6 @@ def test_the_scaling_query_is_served_by_indexes(
     url = pg_settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("SET enable_seqscan = off")
-        plan = "\n".join(str(row[0]) for row in conn.execute("EXPLAIN " + _query(manifests)))
-    assert "Seq Scan" not in plan, plan
+        for deployment in WORKERS:
+            plan = "\n".join(str(row[0]) for row in conn.execute("EXPLAIN " + _query(manifests, deployment)))
+            assert "Seq Scan" not in plan, plan
