@@ -50,7 +50,7 @@ from store.db import SQLITE_HASH, driver_cursor
 from store.entry_state import prunable_where, users_in
 from store.models import PG_MODEL_WRITTEN, SQLITE_MODEL_WRITTEN, EntryState, Profile, query_name
 
-#: ``agent_id`` of the agent-less profile (global entries only).
+#: ``agent_id`` of the agent-less profile (shared entries only: global ones and those no agent owns).
 NO_AGENT = ""
 
 
@@ -672,7 +672,7 @@ _READ_FOR_CUT = text(
 
 def read(session: Session | Connection, user_id: str, agent_id: str | None, *, layout_over: int | None = None) -> Any:
     """The profile ``agent_id`` reads (one primary-key lookup): its own, or, for an agent
-    that owns no entries of the user, the agent-less one (the global entries, which is
+    that owns no entries of the user, the agent-less one (the shared entries, which is
     exactly what such an agent may see). A row of the columns a reader needs (None: no
     profile); its ``layout`` is read only when a reader's cut to ``layout_over`` tokens
     needs it: the profile holds more, or it was cut to a larger budget (a cut to a

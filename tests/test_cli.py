@@ -770,3 +770,37 @@ def test_sqlalchemys_own_error_repeating_a_drivers_message_quotes_nothing() -> N
     )
     assert said.startswith("database error: PendingRollbackError: This Session's transaction")
     assert "zq-secret-value-qz" not in said
+
+
+def test_the_readmes_first_signal_queued_without_an_agent_shows_in_every_profile(store_settings: Settings) -> None:
+    # The README's SQL example names no agent: the facts it yields belong to no agent, so
+    # no agent's privacy keeps them out of a profile, and every profile shows them.
+    from sqlalchemy import text
+
+    from store.db import session_scope
+
+    seed(store_settings, [entry("user-42", "pet", "a cat named Miso", visibility="self", agent="writer")])
+    with session_scope(store_settings) as session:
+        session.execute(
+            text(
+                "INSERT INTO dream_signals (kind, user_id, payload, idempotency_key) VALUES ('session_end', "
+                '\'user-42\', \'{"conversation_id": "c1", "messages": [{"role": "user", "content": '
+                "\"My favorite color is blue\"}]}', 'session_end:c1')"
+            )
+        )
+    env = {"REVERIE_DATABASE_URL": store_settings.database_url}
+    done = run(["run", "--json"], env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["users_processed"] == 1
+    with session_scope(store_settings) as session:
+        owners = session.execute(
+            text("SELECT visibility, source_agent_id FROM usermemories WHERE user_id = 'user-42' AND key <> 'pet'")
+        ).all()
+    assert owners and all(owner is None for _, owner in owners), owners
+    alone = run(["profile", "user-42"], env=env)
+    assert alone.returncode == 0 and "blue" in alone.stdout and "Miso" not in alone.stdout, alone.stdout
+    writer = run(["profile", "user-42", "--agent", "writer", "--json"], env=env)
+    shown = json.loads(writer.stdout)
+    assert "blue" in shown["text"] and "Miso" in shown["text"], shown
+    other = run(["profile", "user-42", "--agent", "planner"], env=env)
+    assert "blue" in other.stdout and "Miso" not in other.stdout

@@ -217,3 +217,31 @@ def test_plain_sql_signal_gets_every_default(pg_settings: object) -> None:
             conn.execute(
                 "INSERT INTO dream_signals (kind, user_id, payload) VALUES ('activity', 'u1', '{\"events\":[]}')"
             )
+
+
+def test_upgrading_marks_for_a_rebuild_the_profiles_of_users_with_entries_no_agent_owns(empty_pg: str) -> None:
+    # Profiles built before they showed the entries no agent owns: the memory did not
+    # change, so only the mark makes the next dream build them again, with those entries.
+    from tasks.dream import dream_users
+    from tests.dream_seed import entry, seed
+
+    settings = _base_settings(database_url=empty_pg)
+    upgrade(settings, "0014")
+    seed(
+        settings,
+        [
+            entry("u-ownerless", "city", "Lisbon", visibility="self", agent=None),
+            entry("u-ownerless", "pet", "cat", visibility="self", agent="agent-a"),
+            entry("u-owned", "city", "Rome", visibility="self", agent="agent-a"),
+        ],
+    )
+    assert {o.user_id: o.profiles_built for o in dream_users(settings, ["u-ownerless", "u-owned"])} == {
+        "u-ownerless": 2,
+        "u-owned": 2,
+    }
+    upgrade(settings)
+    with psycopg.connect(_plain(empty_pg)) as conn:
+        marked = conn.execute("SELECT DISTINCT user_id FROM dream_profiles WHERE source_rows = -1").fetchall()
+    assert marked == [("u-ownerless",)]
+    again = {o.user_id: o.profiles_built for o in dream_users(settings, ["u-ownerless", "u-owned"])}
+    assert again == {"u-ownerless": 2, "u-owned": 0}

@@ -710,10 +710,11 @@ def _seeded_world(users: int = 12, per_user: int = 45) -> list[dict[str, Any]]:
 
 
 # sha256 of every profile built from ``_seeded_world`` (text, tokens, cut and layout) at
-# budgets 2000 and 150: a faster build must build exactly the same profiles.
+# budgets 2000 and 150: a faster build must build exactly the same profiles. (Made
+# again when the entries no agent owns, a fifth of the world's, joined every profile.)
 GOLDEN_PROFILES = {
-    2000: "0c0fd37a46dbcb0e2fbf92c15b78927ddd364e4efd0abbb207a493709a998e49",
-    150: "79bdd8e3bd6375053fca290ad739d98d73d62916c69edb4fe157e1a380d21f45",
+    2000: "21bccf17264a42471b5cb11363c382898d8351dfad8b02c061626d8f1ab389af",
+    150: "954370341b575b1f37a6acc1bb3e83804d6639ee39773a69c9dacca1b65fb446",
 }
 
 
@@ -747,7 +748,7 @@ def test_profiles_of_a_seeded_world_are_exactly_as_before(pg_settings: Settings,
     assert digest == GOLDEN_PROFILES[budget]
 
 
-@pytest.mark.parametrize("budget", [2000, 150])
+@pytest.mark.parametrize("budget", [2000, 250])
 def test_profiles_that_fit_whole_are_built_the_short_way_exactly_as_the_long_way(
     pg_settings: Settings, budget: int, monkeypatch: Any
 ) -> None:
@@ -777,7 +778,7 @@ def test_profiles_that_fit_whole_are_built_the_short_way_exactly_as_the_long_way
     monkeypatch.setattr(profiles.Whole, "row", row)
     _refresh(settings, users)
     short = stored()
-    assert any(taken) and not all(taken)
+    assert any(taken) and not all(taken), f"{sum(taken)} of {len(taken)} fit whole"
     monkeypatch.setattr(profiles.Whole, "row", lambda *args: None)
     with session_scope(settings) as session:
         session.execute(delete(Profile))

@@ -50,9 +50,9 @@ def get_for_prompt(
     *,
     settings: Settings | None = None,
 ) -> PromptProfile:
-    """The user's prompt-ready memory as ``agent_id`` sees it (None: the global entries
+    """The user's prompt-ready memory as ``agent_id`` sees it (None: the shared entries
     only), within ``token_budget`` tokens if given. An agent that owns no entries of the
-    user reads the global entries. One primary-key read; with ``session`` it runs in the
+    user reads the shared entries. One primary-key read; with ``session`` it runs in the
     caller's transaction; without, outside any (the one statement sees one snapshot)."""
     if token_budget is not None and token_budget < 0:
         raise ValueError("token_budget must be at least 0")

@@ -13,7 +13,13 @@ from worker.cli.common import app, fail, load_settings
 @app.command("profile")
 def profile(
     user: Annotated[str, typer.Argument(help="The user whose profile is shown.")],
-    agent: Annotated[str | None, typer.Option("--agent", help="As this agent sees it (default: global only).")] = None,
+    agent: Annotated[
+        str | None,
+        typer.Option(
+            "--agent",
+            help="As this agent sees it (default: the shared entries only: global ones and those no agent owns).",
+        ),
+    ] = None,
     budget: Annotated[int | None, typer.Option("--budget", help="At most this many tokens.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
