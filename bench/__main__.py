@@ -27,6 +27,7 @@ MEASURES = {
     "P5": "bench.worker_memory",
     "P6": "bench.startup",
     "P7": "bench.profiles",
+    "P8": "bench.signals_beside_dreams",
     "Q1": "bench.memory_quality",
 }
 

@@ -73,7 +73,9 @@ class Service:
         self.procs.append(proc)
         return proc
 
-    def worker(self, concurrency: int = 2, *, wrap: Wrap = _same) -> subprocess.Popen[bytes]:
+    def worker(
+        self, concurrency: int = 2, *, wrap: Wrap = _same, queues: str = "signals,dreams,housekeeping"
+    ) -> subprocess.Popen[bytes]:
         self.count += 1
         name = f"worker{self.count}"
         self.metrics_port = free_port()
@@ -83,7 +85,7 @@ class Service:
             "PROMETHEUS_MULTIPROC_DIR": str(self.tmp / f"metrics-{name}"),
         }
         argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker"]
-        argv += ["-Q", "signals,dreams,housekeeping", "-c", str(concurrency), "-n", f"{name}@%h"]
+        argv += ["-Q", queues, "-c", str(concurrency), "-n", f"{name}@%h"]
         argv += ["--loglevel", "INFO", "--without-gossip", "--without-mingle"]
         return self._start(name, wrap(argv), env)
 

@@ -104,3 +104,15 @@ def test_the_stopped_builds_of_the_step_benchmark_send_nothing_to_the_profiles_t
         with stopped_after(variant):
             assert {o.status for o in dream_users(pg_settings, users)} == {"succeeded"}
         assert seen == [], (variant, seen)
+
+
+def test_signal_wait_benchmark_quick_mode_runs_both_deployments_with_real_processes(pg_settings: object) -> None:
+    done = quick_bench("P8", timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| P8 ")]
+    assert len(rows) == 2, done.stdout
+    assert "one shared worker" in rows[0] and "split workers" in rows[1], done.stdout
+    for row in rows:
+        assert re.search(r"\| \d+\.\d / \d+\.\d s \|", row), row
+    # Each way processed every signal while beat's dream runs went on.
+    assert done.stderr.count("3 signals, dream runs finished meanwhile") == 2, done.stderr[-3000:]
