@@ -182,3 +182,55 @@ def test_a_pool_child_forked_while_the_listener_publishes_can_publish_too() -> N
     _, status = os.waitpid(pid, 0)
 
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_worker_started_before_migrate_says_so_once_and_listens_once_migrated(
+    redis_url: str, queue: Callable[[], list[int]], listeners: list[SignalListener], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uuid
+
+    from structlog.testing import capture_logs
+
+    from store.db import dispose_engines
+    from store.migrate import upgrade
+    from tests.conftest import PG_ADMIN_URL, _base_settings, pg_url_for
+    from worker import signal_listener
+
+    monkeypatch.setattr(wakeup, "_quiet_until", 0.0)
+    tries: list[float] = []
+
+    class Counted(signal_listener.ListenConnection):
+        def __init__(self, settings: Settings) -> None:
+            tries.append(time.monotonic())
+            super().__init__(settings)
+
+    monkeypatch.setattr(signal_listener, "ListenConnection", Counted)
+    name = f"reverie_unmigrated_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        settings = _base_settings(
+            database_url=pg_url_for(name), broker_url=redis_url, signal_listener_retry_seconds=0.2
+        )
+        with capture_logs() as logs:
+            listener = _start(settings, listeners)
+            _wait("the listener finds no tables", lambda: listener.state == "waiting for migrate")
+            time.sleep(4.0)
+            # Backed off (0.5 s, 1 s, 2 s, ...), not tried again twice a second.
+            assert len(tries) <= 5, len(tries)
+            upgrade(settings)
+            _wait("the listener is active on the migrated database", lambda: listener.state == "active", 30)
+            with psycopg.connect(settings.database_url.replace("+psycopg", ""), autocommit=True) as conn:
+                ids = _insert(conn, "after-migrate-", 2)
+            _wait("the rows inserted once migrated are woken", lambda: queue() == ids)
+        failed = [e for e in logs if e["event"] == "signal listener failed"]
+        waiting = [e for e in logs if "reverie migrate" in e["event"]]
+        assert failed == [] and len(waiting) == 1, logs
+        assert waiting[0]["log_level"] == "warning"
+    finally:
+        for listener in listeners:
+            listener.stop()
+        listeners.clear()
+        dispose_engines()
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

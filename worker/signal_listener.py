@@ -27,7 +27,7 @@ from celery import signals
 
 from schedules.sweeper import stranded
 from store.notices import ListenConnection, Notices, parse
-from worker.errors import BrokerUnavailable, DatabaseUnavailable
+from worker.errors import BrokerUnavailable, DatabaseUnavailable, SchemaMissing
 from worker.logs import get_logger
 from worker.settings import Settings, get_settings
 from worker.wakeup import wake_signals
@@ -64,6 +64,7 @@ class SignalListener:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: ListenConnection | None = None
+        self._told_to_migrate = False
 
     def start(self) -> None:
         self._stop.clear()
@@ -82,6 +83,9 @@ class SignalListener:
         self._set_state("stopped")
 
     def _set_state(self, state: str, **details: Any) -> None:
+        if state == "active" and self.state == "waiting for migrate":
+            self.state = state  # said once it wakes signals again, not at each retry
+            return
         if state != self.state:
             self.state = state
             log.info("signal listener " + state, **details)
@@ -94,6 +98,13 @@ class SignalListener:
             except DatabaseUnavailable as exc:
                 if not self._stop.is_set():
                     self._set_state("disconnected", error=exc.reason)
+            except SchemaMissing:
+                # A worker started before `reverie migrate` ran: said once, and tried
+                # again with backoff (the tables appear when the migration commits).
+                if not self._told_to_migrate:
+                    log.warning("signal listener waiting: the database has no Reverie tables; run `reverie migrate`")
+                    self._told_to_migrate = True
+                self.state = "waiting for migrate"
             except Exception as exc:
                 # A bug here must not stop the worker: its tasks still run, and the
                 # sweeper still wakes what is ready; this thread tries again.
@@ -116,7 +127,6 @@ class SignalListener:
                 return
         conn.listen()
         self._set_state("active")
-        backoff.reset()
         # Notices sent before LISTEN are lost: catch up on everything ready first.
         todo = Notices(scan=True)
         broker = Backoff()
@@ -132,15 +142,25 @@ class SignalListener:
                     todo = Notices(scan=True)
                     wait = broker.next()
                 else:
-                    if broker.delay:
-                        log.info("signal listener: broker back")
-                    broker.reset()
+                    self._woke(backoff, broker)
                     todo = Notices()
             payloads = conn.receive(wait)
             if payloads:
                 todo = _merge(todo, parse(payloads))
             elif not (todo.scan or todo.ids):
                 conn.ping()
+
+    def _woke(self, backoff: Backoff, broker: Backoff) -> None:
+        """After a wake that worked: the broker is there, and listening and waking work,
+        so a failure from here on starts its backoff afresh (one before this point, such
+        as a database not migrated yet, keeps growing it)."""
+        if broker.delay:
+            log.info("signal listener: broker back")
+        broker.reset()
+        backoff.reset()
+        if self._told_to_migrate:
+            log.info("signal listener active")
+            self._told_to_migrate = False
 
     def _wake(self, todo: Notices) -> None:
         ids = [signal_id for signal_id, _since in ready(self.settings)] if todo.scan else list(todo.ids)
