@@ -22,7 +22,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from store.json_values import read_json, write_json
-from worker.errors import ConfigError, DatabaseUnavailable, SchemaMissing
+from worker.errors import ConfigError, DatabaseUnavailable, MemoryTableMissing, SchemaMissing
 from worker.logs import get_logger
 from worker.settings import Settings
 from worker.url_secrets import mask_secrets, mask_url
@@ -415,14 +415,34 @@ def translate_errors(settings: Settings) -> Iterator[None]:
         if exc.connection_invalidated or _is_connect_error(exc):
             raise DatabaseUnavailable(safe_url(settings.database_url), _first_line(exc.orig)) from exc
         if "no such table" in str(exc.orig) or "does not exist" in str(exc.orig):
-            raise SchemaMissing(_first_line(exc.orig)) from exc
+            raise _missing(settings, exc) from exc
         raise
     except DBAPIError as exc:
         if exc.connection_invalidated or type(exc.orig).__name__ in _ENDED_BY_SERVER:
             raise DatabaseUnavailable(safe_url(settings.database_url), _first_line(exc.orig)) from exc
         if "UndefinedTable" in type(exc.orig).__name__:
-            raise SchemaMissing(_first_line(exc.orig)) from exc
+            raise _missing(settings, exc) from exc
         raise
+
+
+def _missing(settings: Settings, exc: DBAPIError) -> SchemaMissing:
+    """The schema is missing; or, where the missing table is the memory table in a
+    migrated database, the setting names another table (migrate would make a new, empty
+    one: not the advice to give)."""
+    detail = _first_line(exc.orig)
+    name = settings.memory_table
+    if (f'"{name}"' in detail or f"table: {name}" in detail) and _migrated(settings):
+        return MemoryTableMissing(name)
+    return SchemaMissing(detail)
+
+
+def _migrated(settings: Settings) -> bool:
+    from store.migrate import VERSION_TABLE
+
+    try:
+        return has_table(settings, VERSION_TABLE)
+    except Exception:  # only the message depends on it
+        return False
 
 
 def _is_connect_error(exc: OperationalError) -> bool:

@@ -8,8 +8,10 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 
-from store.db import check_connection, get_engine, translate_errors
+from store.db import check_connection, get_engine, safe_url, translate_errors
+from worker.errors import ConfigError
 from worker.settings import Settings
 
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -40,11 +42,32 @@ def current_revision(settings: Settings) -> str | None:
         return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE}).get_current_revision()
 
 
+def is_newer(revision: str | None) -> bool:
+    """Whether ``revision`` is one this release does not know (a newer release's)."""
+    if revision is None:
+        return False
+    try:
+        ScriptDirectory.from_config(_config_for_scripts()).get_revision(revision)
+    except CommandError:
+        return True
+    return False
+
+
+def newer_schema(settings: Settings, revision: str) -> ConfigError:
+    return ConfigError(
+        f"database {safe_url(settings.database_url)} is at revision {revision}, newer than this release's "
+        f"{head_revision()}: a newer release of Reverie migrated it; run that release"
+    )
+
+
 def upgrade(settings: Settings, revision: str = "head") -> tuple[str | None, str]:
     """Apply pending migrations; returns (revision before, revision after). Idempotent.
-    Refuses (:class:`ConfigError`) a PostgreSQL older than ``store.db.MIN_POSTGRESQL``."""
+    Refuses (:class:`ConfigError`) a PostgreSQL older than ``store.db.MIN_POSTGRESQL``,
+    and a schema a newer release migrated."""
     check_connection(settings)
     before = current_revision(settings)
+    if is_newer(before):
+        raise newer_schema(settings, str(before))
     config = _config(settings)
     with translate_errors(settings), get_engine(settings).begin() as connection:
         config.attributes["connection"] = connection

@@ -661,10 +661,20 @@ def test_policy_set_refuses_the_defaults_row_and_an_empty_agent(pg_settings: Set
 
 
 def test_health_fails_when_the_memory_table_it_is_set_to_does_not_exist(pg_settings: Settings) -> None:
-    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_MEMORY_TABLE": "othertable"}
+    env = {
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_MEMORY_TABLE": "othertable",
+        "REVERIE_LOG_HASH_KEY": "a-secret-of-the-tests-own-0123456789",
+    }
     result = run(["health"], env=env)
     assert result.returncode == 1
     assert_one_line_error(result, "othertable does not exist", "REVERIE_MEMORY_TABLE")
+    # The work commands say the same, not "run reverie migrate" (a migrated database:
+    # migrate would not make the misnamed table, and must not be the advice).
+    for args in (["run"], ["run", "--all", "--json"]):
+        work = run(args, env=env)
+        assert_one_line_error(work, "othertable does not exist", "REVERIE_MEMORY_TABLE")
+        assert "migrate`" not in work.stderr and "run reverie migrate" not in work.stderr
     assert run(["health"], env={"REVERIE_DATABASE_URL": pg_settings.database_url}).returncode == 0
 
 

@@ -245,3 +245,20 @@ def test_upgrading_marks_for_a_rebuild_the_profiles_of_users_with_entries_no_age
     assert marked == [("u-ownerless",)]
     again = {o.user_id: o.profiles_built for o in dream_users(settings, ["u-ownerless", "u-owned"])}
     assert again == {"u-ownerless": 2, "u-owned": 0}
+
+
+def test_migrate_and_health_name_a_schema_a_newer_release_migrated(empty_pg: str) -> None:
+    # Not "unexpected CommandError", nor "run reverie migrate": the schema is ahead of this release.
+    from tests.test_cli import assert_one_line_error, run
+
+    upgrade(_base_settings(database_url=empty_pg))
+    dispose_engines()
+    with psycopg.connect(_plain(empty_pg), autocommit=True) as conn:
+        conn.execute(f"UPDATE {VERSION_TABLE} SET version_num = '9999'")
+    env = {"REVERIE_DATABASE_URL": empty_pg}
+    for args in (["migrate"], ["health"]):
+        result = run(args, env=env)
+        assert_one_line_error(result, "at revision 9999, newer than this release's", "run that release")
+        assert "unexpected" not in result.stderr and "run reverie migrate" not in result.stderr
+    with psycopg.connect(_plain(empty_pg)) as conn:
+        assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchone() == ("9999",)

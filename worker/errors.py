@@ -31,6 +31,18 @@ class SchemaMissing(ReverieError):
         super().__init__(f"database schema is missing or outdated ({detail}); run `reverie migrate`")
 
 
+class MemoryTableMissing(SchemaMissing):
+    """The memory table ``REVERIE_MEMORY_TABLE`` names does not exist (a migrated
+    database: the setting names another table than the application's)."""
+
+    def __init__(self, name: str) -> None:
+        ReverieError.__init__(
+            self,
+            f"the memory table {name} does not exist: set REVERIE_MEMORY_TABLE to the memory table's name "
+            "(reverie migrate creates one only for a new deployment)",
+        )
+
+
 class InvalidSignal(ReverieError):
     """A signal's kind, user or payload is not acceptable; ``field`` names the culprit."""
 

@@ -22,20 +22,20 @@ def health(
     the broker answers and /metrics is served); otherwise one line and exit 1."""
     from store.db import check_connection, has_table, safe_url
     from store.memories import check_memory_table
-    from store.migrate import current_revision, head_revision
+    from store.migrate import current_revision, head_revision, is_newer, newer_schema
+    from worker.errors import MemoryTableMissing
 
     settings = load_settings()
     check_connection(settings)
     revision, head = current_revision(settings), head_revision()
+    if is_newer(revision):
+        fail(str(newer_schema(settings, str(revision))))
     if revision != head:
         where = safe_url(settings.database_url)
         fail(f"database {where} is at revision {revision or 'none'}, not {head}: run reverie migrate")
     if not has_table(settings, settings.memory_table):
         # Migrated, and still no work could run: REVERIE_MEMORY_TABLE names another table.
-        fail(
-            f"the memory table {settings.memory_table} does not exist: set REVERIE_MEMORY_TABLE to the "
-            "memory table's name, or run reverie migrate to create it"
-        )
+        fail(str(MemoryTableMissing(settings.memory_table)))
     check_memory_table(settings)
     checked = [f"database at revision {head}"]
     if broker:
