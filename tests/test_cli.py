@@ -814,3 +814,13 @@ def test_the_readmes_first_signal_queued_without_an_agent_shows_in_every_profile
     assert "blue" in shown["text"] and "Miso" in shown["text"], shown
     other = run(["profile", "user-42", "--agent", "planner"], env=env)
     assert "blue" in other.stdout and "Miso" not in other.stdout
+
+
+@pytest.mark.parametrize(
+    ("query", "named"), [("sslmode=bogus", 'invalid sslmode value: "bogus"'), ("foo=bar", '"foo"')]
+)
+def test_a_connection_option_the_driver_refuses_is_named_in_one_line(query: str, named: str) -> None:
+    url = f"postgresql://postgres:s3cret-pw@127.0.0.1:5432/postgres?{query}"
+    result = run(["health"], env={"REVERIE_DATABASE_URL": url})
+    assert_one_line_error(result, "REVERIE_DATABASE_URL", named)
+    assert "s3cret-pw" not in result.stderr

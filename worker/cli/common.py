@@ -56,6 +56,9 @@ def describe_error(exc: BaseException) -> str:
             if _connection_failed(orig):
                 lines = str(orig).strip().splitlines()
                 return f"database error: {lines[0] if lines else type(orig).__name__}"
+            option = _option_refused(orig)
+            if option:
+                return f"REVERIE_DATABASE_URL: {option}"
             return f"database error: {describe(exc)}"
     except ImportError:  # pragma: no cover
         pass
@@ -74,6 +77,24 @@ def _connection_failed(orig: object) -> bool:
         and not getattr(orig, "sqlstate", None)
         and str(orig).lstrip().startswith(("connection failed:", "connection to server"))
     )
+
+
+#: libpq's and psycopg's words for a connection option of the URL they refused, before
+#: any connection: they quote the option's name or value, from the URL, never a row.
+_OPTION_ERRORS = ("invalid connection option", "invalid uri query parameter", "connection is bad: invalid ")
+
+
+def _option_refused(orig: object) -> str | None:
+    """The first line of a psycopg error about the URL's options (its ``?name=value``)."""
+    import psycopg
+
+    if not isinstance(orig, psycopg.Error) or getattr(orig, "sqlstate", None):
+        return None
+    lines = str(orig).strip().splitlines()
+    first = lines[0] if lines else ""
+    if not first.lower().startswith(_OPTION_ERRORS):
+        return None
+    return first.removeprefix("connection is bad: ")
 
 
 def load_settings() -> Settings:
