@@ -21,7 +21,6 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from store.json_values import read_json, write_json
 from worker.errors import ConfigError, DatabaseUnavailable, MemoryTableMissing, SchemaMissing
 from worker.logs import get_logger
 from worker.settings import Settings
@@ -202,9 +201,6 @@ def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any
     # A statement's parameters (memory values, user ids) stay out of its errors' text,
     # which may be logged or kept.
     kwargs.setdefault("hide_parameters", True)
-    # A value nested too deep to read is read as a stand-in that is never written back.
-    kwargs.setdefault("json_deserializer", read_json)
-    kwargs.setdefault("json_serializer", write_json)
     if parsed.get_backend_name() == "sqlite":
         engine = create_engine(url, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
