@@ -50,7 +50,7 @@ from store.db import SQLITE_HASH, driver_cursor
 from store.entry_state import prunable_where, users_in
 from store.models import PG_MODEL_WRITTEN, SQLITE_MODEL_WRITTEN, EntryState, Profile, query_name
 
-#: ``agent_id`` of the agent-less profile (shared entries only: global ones and those no agent owns).
+#: ``agent_id`` of the agent-less profile (shared entries only: global ones and the self ones no agent owns).
 NO_AGENT = ""
 
 

@@ -2,9 +2,10 @@
 
 Visibility is EDDI's: an agent sees its own ``self`` and ``group`` entries and every
 ``global`` entry, never another agent's ``self`` entries; the agent-less profile holds
-the global entries only. An entry no agent owns (``source_agent_id`` NULL or empty: a
-signal with no agent wrote it) is another agent's for none of them, and is shown as a
-global one is. Entries pruning would remove (stale) are never shown.
+the global entries only. A ``self`` entry no agent owns (``source_agent_id`` NULL or
+empty: a signal with no agent wrote it) is another agent's for none of them, and is
+shown as a global one is; a ``group`` entry no agent owns is shown in no profile (its
+audience is its groups). Entries pruning would remove (stale) are never shown.
 
 Ranking, most important first (what does not fit is left out from the end):
 1. the day the entry was last updated or recalled, newest first;
@@ -143,9 +144,12 @@ def _entry(
     key: str, shown: str, category: str | None, visibility: str | None, owner: str | None, *, conflicted: Any
 ) -> Entry:
     text, head = fmt.line_and_head(key, shown, bool(conflicted))
-    # An entry no agent owns (written with no agent: a session end without one, or an
-    # application's write with no owner) is no agent's own: every profile shows it.
-    return Entry(fmt.section_of(category, key), text, visibility == "global" or not owner, owner or None, head)
+    # A ``self`` entry no agent owns (written with no agent: a session end without one,
+    # or an application's write with no owner) is no agent's own: every profile shows
+    # it. A ``group`` entry with no owner keeps to its groups, which a profile does not
+    # know: no profile shows it.
+    shared = visibility == "global" or (not owner and visibility != "group")
+    return Entry(fmt.section_of(category, key), text, shared, owner or None, head)
 
 
 _first = itemgetter(0)
@@ -403,8 +407,8 @@ class Fitted:
 class Visibility:
     """Which of a user's ranked entries each agent may see, as their indexes in rank
     order: its own ``self`` and ``group`` entries and every shared one (``global``, or
-    owned by no agent; '': the agent-less profile, the shared entries only). ``agents``: every agent owning an
-    entry (each gets a profile)."""
+    a ``self`` one owned by no agent; '': the agent-less profile, the shared entries
+    only). ``agents``: every agent owning an entry (each gets a profile)."""
 
     def __init__(self, ranked: Sequence[Entry]) -> None:
         self.shared: list[int] = []

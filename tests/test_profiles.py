@@ -711,10 +711,10 @@ def _seeded_world(users: int = 12, per_user: int = 45) -> list[dict[str, Any]]:
 
 # sha256 of every profile built from ``_seeded_world`` (text, tokens, cut and layout) at
 # budgets 2000 and 150: a faster build must build exactly the same profiles. (Made
-# again when the entries no agent owns, a fifth of the world's, joined every profile.)
+# again when the self entries no agent owns joined every profile.)
 GOLDEN_PROFILES = {
-    2000: "21bccf17264a42471b5cb11363c382898d8351dfad8b02c061626d8f1ab389af",
-    150: "954370341b575b1f37a6acc1bb3e83804d6639ee39773a69c9dacca1b65fb446",
+    2000: "1333b7807711ce1a850a2bf4faab9cf2d68b099e3d808ed95607f045c0e8a3ec",
+    150: "1605a8d18c749307ae7593421a1f0e88f55d26522a4271a986bec4e489d79f44",
 }
 
 
@@ -1634,3 +1634,20 @@ def test_turning_one_agents_model_writer_off_leaves_the_others_model_profiles_al
     assert "- boat: sloop" in after["u2"]["agent-a"].text
     # And nothing is left to do: a second pass builds nothing.
     assert [o.profiles_built for o in dream_users(spent, ["u1", "u2"])] == [0, 0]
+
+
+def test_a_self_entry_no_agent_owns_is_in_every_profile_and_a_group_one_in_none(store_settings: Settings) -> None:
+    rows = [
+        entry("u1", "diet", "vegan", visibility="self", agent=None),
+        entry("u1", "salary", "95k-hr-only", visibility="group", agent=None),
+        entry("u1", "pet", "cat", visibility="self", agent="marketing-bot"),
+    ]
+    rows[1]["group_ids"] = ["hr"]
+    seed(store_settings, rows)
+    (outcome,) = dream_users(store_settings, ["u1"])
+    assert outcome.status == "succeeded", outcome.error
+    for agent in (None, "marketing-bot", "no-such-agent"):
+        shown = get_for_prompt("u1", agent, settings=store_settings).text
+        assert "- diet: vegan" in shown, (agent, shown)
+        assert "95k-hr-only" not in shown, (agent, shown)
+        assert ("- pet: cat" in shown) == (agent == "marketing-bot"), (agent, shown)

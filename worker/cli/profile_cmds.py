@@ -17,7 +17,7 @@ def profile(
         str | None,
         typer.Option(
             "--agent",
-            help="As this agent sees it (default: the shared entries only: global ones and those no agent owns).",
+            help="As this agent sees it (default: the shared entries only: global, and self with no owner).",
         ),
     ] = None,
     budget: Annotated[int | None, typer.Option("--budget", help="At most this many tokens.")] = None,

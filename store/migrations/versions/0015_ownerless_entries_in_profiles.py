@@ -1,5 +1,5 @@
-"""Profiles show the entries no agent owns: the profiles of users who have such entries
-are marked to be built again at their next dream (their memory is unchanged, so the
+"""Profiles show the ``self`` entries no agent owns: the profiles of users who have such
+entries are marked to be built again at their next dream (their memory is unchanged, so the
 fingerprint alone would keep the profiles built without them).
 
 Revision ID: 0015
@@ -27,7 +27,7 @@ def upgrade() -> None:
     # A fingerprint no set of rows has (-1 rows): the next build finds it changed.
     op.execute(
         "UPDATE dream_profiles SET source_rows = -1 WHERE user_id IN ("
-        f"SELECT user_id FROM {table} WHERE visibility <> 'global' "
+        f"SELECT user_id FROM {table} WHERE coalesce(visibility, 'self') NOT IN ('global', 'group') "
         "AND (source_agent_id IS NULL OR source_agent_id = ''))"
     )
 
