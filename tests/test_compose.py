@@ -18,7 +18,7 @@ from worker.settings import Settings
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = {"postgres", "redis", "migrate", "worker", "dreamer", "beat", "prometheus"}
 #: The two workers, and the queues each consumes.
-WORKERS = {"worker": {"signals", "housekeeping"}, "dreamer": {"dreams"}}
+WORKERS = {"worker": {"signals"}, "dreamer": {"dreams", "housekeeping"}}
 
 
 @pytest.fixture(scope="module")

@@ -152,7 +152,7 @@ def test_every_command_is_a_real_reverie_invocation(manifests: dict[tuple[str, s
 
 
 #: The two workers' Deployments, and the queues each consumes.
-WORKERS = {"reverie-worker": {"signals", "housekeeping"}, "reverie-dreamer": {"dreams"}}
+WORKERS = {"reverie-worker": {"signals"}, "reverie-dreamer": {"dreams", "housekeeping"}}
 
 
 @pytest.mark.parametrize("deployment", sorted(WORKERS))
