@@ -427,7 +427,8 @@ def _missing(settings: Settings, exc: DBAPIError) -> SchemaMissing:
     one: not the advice to give)."""
     detail = _first_line(exc.orig)
     name = settings.memory_table
-    if (f'"{name}"' in detail or f"table: {name}" in detail) and _migrated(settings):
+    # PostgreSQL: relation "NAME" does not exist; SQLite: no such table: NAME.
+    if (f'"{name}"' in detail or detail.endswith(f"table: {name}")) and _migrated(settings):
         return MemoryTableMissing(name)
     return SchemaMissing(detail)
 
@@ -437,7 +438,7 @@ def _migrated(settings: Settings) -> bool:
 
     try:
         return has_table(settings, VERSION_TABLE)
-    except Exception:  # only the message depends on it
+    except (DatabaseUnavailable, DBAPIError):  # only the message depends on it
         return False
 
 

@@ -147,8 +147,8 @@ def _entry(
     # A ``self`` entry no agent owns (written with no agent: a session end without one,
     # or an application's write with no owner) is no agent's own: every profile shows
     # it. A ``group`` entry with no owner keeps to its groups, which a profile does not
-    # know: no profile shows it.
-    shared = visibility == "global" or (not owner and visibility != "group")
+    # know, and a visibility EDDI does not have widens nothing: no profile shows them.
+    shared = visibility == "global" or (not owner and (visibility or "self") == "self")
     return Entry(fmt.section_of(category, key), text, shared, owner or None, head)
 
 

@@ -83,8 +83,8 @@ class SignalListener:
         self._set_state("stopped")
 
     def _set_state(self, state: str, **details: Any) -> None:
-        if state == "active" and self.state == "waiting for migrate":
-            self.state = state  # said once it wakes signals again, not at each retry
+        if state == "active" and self._told_to_migrate:
+            self.state = state  # said once it wakes signals again (``_woke``), not at each retry
             return
         if state != self.state:
             self.state = state

@@ -27,7 +27,7 @@ def upgrade() -> None:
     # A fingerprint no set of rows has (-1 rows): the next build finds it changed.
     op.execute(
         "UPDATE dream_profiles SET source_rows = -1 WHERE user_id IN ("
-        f"SELECT user_id FROM {table} WHERE coalesce(visibility, 'self') NOT IN ('global', 'group') "
+        f"SELECT user_id FROM {table} WHERE coalesce(visibility, 'self') = 'self' "
         "AND (source_agent_id IS NULL OR source_agent_id = ''))"
     )
 
