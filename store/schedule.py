@@ -16,6 +16,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from store.dispatch import next_slot
 from store.entry_state import users_in
 from store.memories import table_for
 from store.models import UserState
@@ -36,21 +37,31 @@ def _upsert(
         session.execute(lite.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_, where=where))
 
 
-def mark_dirty(session: Session, user_id: str, at: datetime | None = None) -> None:
+def mark_dirty(session: Session, settings: Settings, user_id: str, at: datetime | None = None) -> None:
     """Note that ``user_id`` changed; keeps the earliest ``dirty_since`` already set."""
-    mark_dirty_many(session, [user_id], at)
+    mark_dirty_many(session, settings, [user_id], at)
 
 
-def mark_dirty_many(session: Session, user_ids: Sequence[str], at: datetime | None = None) -> None:
+def mark_dirty_many(session: Session, settings: Settings, user_ids: Sequence[str], at: datetime | None = None) -> None:
     """:func:`mark_dirty` for many users: one statement, rows locked in user id order
-    (so two batches never wait on each other in a cycle)."""
+    (so two batches never wait on each other in a cycle).
+
+    A user seen for the first time gets a schedule row whose next slot is their own
+    phase of the dream interval (:func:`store.dispatch.next_slot`), not now: like any
+    other changed user, they are dreamed ``dispatch_dirty_delay_seconds`` after their
+    first change, once for the changes of that while, not at once and again for the
+    rest of the conversation."""
     users = sorted(set(user_ids))
     if not users:
         return
     when = at or db_now(session)
+    interval = settings.dream_interval_hours * 3600
     _upsert(
         session,
-        [{"user_id": user_id, "dirty_since": when, "next_dream_at": when} for user_id in users],
+        [
+            {"user_id": user_id, "dirty_since": when, "next_dream_at": next_slot(user_id, when, interval)}
+            for user_id in users
+        ],
         {"dirty_since": when},
         where=UserState.dirty_since.is_(None),
     )

@@ -129,7 +129,7 @@ def find_routines(session: Session, settings: Settings, at: datetime) -> Counter
             writes[result.action] += 1
             dirty.add(user_id)
     for user_id in sorted(dirty):
-        schedule.mark_dirty(session, user_id)
+        schedule.mark_dirty(session, settings, user_id)
     return writes
 
 

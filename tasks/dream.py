@@ -393,7 +393,7 @@ def _finish(
         if outcome.retry_soon:
             # Work left over (budget, transient errors) is carried to the next pass; a
             # group the model could not summarize waits for the next scheduled dream.
-            schedule.mark_dirty(session, user_id)
+            schedule.mark_dirty(session, settings, user_id)
 
     # Retried on a lost connection: a run must not stay "running" because one died.
     closing_transaction(settings, close)
@@ -666,7 +666,7 @@ class _Chunk:
             # Work left over (budget, time, transient errors) is carried to the next pass.
             # (A group the model could not summarize waits for the next scheduled dream.)
             left_over = ({o.user_id for o in outcomes if o.retry_soon} | set(self.carried)) & held
-            schedule.mark_dirty_many(session, sorted(left_over))
+            schedule.mark_dirty_many(session, self.settings, sorted(left_over))
             locks.release_many(session, sorted(held), self.keeper.token)
 
         # Retried on a lost connection: the runs must not stay "running", nor the

@@ -351,7 +351,7 @@ def _apply(settings: Settings, item: _Ready) -> SignalResult:
             return result
         effect = HANDLERS[signal.kind].apply(session, settings, signal, item.prepared)
         if effect.wrote:
-            schedule.mark_dirty(session, signal.user_id)
+            schedule.mark_dirty(session, settings, signal.user_id)
     _done(settings, item, effect, finished_at)
     return result
 
@@ -379,7 +379,8 @@ def _apply_together(settings: Settings, ready: list[_Ready]) -> bool:
                 batch = [(item.signal, item.prepared) for item in items]
                 effects.extend(zip(items, apply_many(session, settings, batch), strict=True))
             # One statement; its rows are locked in one order for every batch.
-            schedule.mark_dirty_many(session, [item.signal.user_id for item, effect in effects if effect.wrote])
+            wrote = [item.signal.user_id for item, effect in effects if effect.wrote]
+            schedule.mark_dirty_many(session, settings, wrote)
     except (DatabaseUnavailable, SchemaMissing):
         raise
     except Exception as exc:

@@ -145,7 +145,7 @@ def test_a_change_after_a_dispatch_is_dispatched_again(pg_settings: Settings, sk
         )
     skew(-timedelta(seconds=5))  # a signal's worker, behind, notes the change
     with session_scope(pg_settings) as session:
-        schedule.mark_dirty(session, "ann")
+        schedule.mark_dirty(session, pg_settings, "ann")
     with session_scope(pg_settings) as session:
         due = dispatch_store.claim_due_users(
             session,

@@ -86,7 +86,7 @@ def test_schedule_due_dirty_and_unseen_users(store_settings: Settings) -> None:
         schedule.mark_dreamed(session, "done", at, at + timedelta(hours=24))
         schedule.mark_dreamed(session, "late", at - timedelta(days=2), at - timedelta(days=1))
         schedule.mark_dreamed(session, "touched", at, at + timedelta(hours=24))
-        schedule.mark_dirty(session, "touched")
+        schedule.mark_dirty(session, store_settings, "touched")
         due = schedule.due_user_ids(session, at + timedelta(seconds=1), limit=10, settings=store_settings)
     assert due == ["fresh-host-user", "late", "touched"]
 

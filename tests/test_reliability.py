@@ -70,8 +70,8 @@ def producer_for(settings: Settings, redis_server: RedisServer) -> Settings:
 
 
 def _service(tmp: Path, settings: Settings, redis_server: RedisServer, **env: str) -> Service:
-    # Fewer dreams in the signal tests (a user is due once at first, not again when
-    # dirty); a fact a dream merges meanwhile is followed into the archive by tally().
+    # Fewer dreams in the signal tests (a changed user is due an hour after the change,
+    # or at their slot); a fact a dream merges meanwhile is followed into the archive by tally().
     env.setdefault("REVERIE_DISPATCH_DIRTY_DELAY_SECONDS", "3600")
     # These tests count deliveries, not spend: the full form's 10,000 signals would pass
     # the default day cap, and wait for the next UTC day.

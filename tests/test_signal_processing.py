@@ -396,3 +396,48 @@ def test_a_wake_up_that_cannot_reach_the_database_gives_nothing_back_and_fails_a
         signal_tasks.process_signal(down, sid)
     assert tried == []
     assert signal_row(pg_settings, sid).status == "pending"
+
+
+def test_a_new_users_conversation_is_dreamed_once_after_the_dirty_delay_not_at_once(pg_settings: Settings) -> None:
+    from store import dispatch as dispatch_store
+    from store.models import UserState
+
+    interval = pg_settings.dream_interval_hours * 3600
+
+    def claim(at: Any) -> list[str]:
+        with session_scope(pg_settings) as session:
+            return dispatch_store.claim_due_users(
+                session,
+                at=at,
+                limit=10,
+                interval_seconds=interval,
+                dirty_delay_seconds=pg_settings.dispatch_dirty_delay_seconds,
+                lease_seconds=3600,
+            )
+
+    def state(user_id: str) -> tuple[Any, Any]:
+        with session_scope(pg_settings) as session:
+            found = session.get(UserState, user_id)
+            assert found is not None
+            return found.dirty_since, found.next_dream_at
+
+    # Two users never seen: one's first signal alone, the other's with another user's
+    # in one batch; then the rest of the first one's conversation.
+    first = enqueue_signal("session_end", "newcomer", said("My favorite color is blue"), settings=pg_settings)
+    assert process_signal(pg_settings, first.signal_id) == "done"
+    enqueue_signal("session_end", "other", said("My favorite food is sushi"), settings=pg_settings)
+    enqueue_signal("session_end", "newcomer", said("My favorite food is ramen", "c2"), settings=pg_settings)
+    assert process_pending(pg_settings).processed == 2
+    changed, slot = state("newcomer")
+    other_changed, other_slot = state("other")
+    assert changed is not None and other_changed is not None and other_changed >= changed
+    # Each one's next dream is on its own phase of the interval, not now.
+    assert slot == dispatch_store.next_slot("newcomer", changed, interval)
+    assert other_slot == dispatch_store.next_slot("other", other_changed, interval)
+    assert min(slot - changed, other_slot - other_changed) >= timedelta(seconds=interval / 2)
+    assert memory_count(pg_settings) == 3
+    assert claim(changed + timedelta(seconds=5)) == []
+    delay = timedelta(seconds=pg_settings.dispatch_dirty_delay_seconds)
+    settled = max(changed, other_changed) + delay + timedelta(seconds=1)
+    assert sorted(claim(settled)) == ["newcomer", "other"]
+    assert claim(settled + timedelta(seconds=1)) == []

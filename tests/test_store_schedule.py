@@ -8,6 +8,7 @@ from sqlalchemy import insert, select
 
 from store import runs, schedule
 from store.db import session_scope
+from store.dispatch import next_slot
 from store.models import Run, UserState
 from store.types import now
 from worker.settings import Settings
@@ -60,14 +61,15 @@ def test_marking_many_users_dirty_keeps_each_ones_earliest_change(store_settings
             ],
         )
     with session_scope(store_settings) as session:
-        schedule.mark_dirty_many(session, ["new", "clean", "dirty", "new"], at)
-        schedule.mark_dirty_many(session, [], at)
+        schedule.mark_dirty_many(session, store_settings, ["new", "clean", "dirty", "new"], at)
+        schedule.mark_dirty_many(session, store_settings, [], at)
     with session_scope(store_settings) as session:
         states = {s.user_id: (s.dirty_since, s.next_dream_at) for s in session.scalars(select(UserState))}
     assert states == {
         "dirty": (earlier, at + timedelta(hours=5)),
         "clean": (at, at + timedelta(hours=5)),
-        "new": (at, at),
+        # A user seen for the first time: due on their own slot, or once the change settles.
+        "new": (at, next_slot("new", at, store_settings.dream_interval_hours * 3600)),
     }
 
 
