@@ -262,6 +262,8 @@ def detect(
     run_id: int | None,
 ) -> ContradictionCounts:
     """Find, record, flag, resolve and close the user's contradictions (caller's transaction)."""
+    if not _detects(book):
+        return ContradictionCounts()
     table = table_for(settings)
     matcher = get_matcher(settings)
     rows = user_entries(session, table, user_id)
@@ -282,8 +284,11 @@ def detect_many(
     """:func:`detect` for several users' whole-user runs (``runs``: user id -> run id),
     in the caller's transaction, from one read of the entries that may contradict
     (PostgreSQL; see :func:`store.memories.contradiction_candidates`)."""
-    table = table_for(settings)
     users = sorted(runs)
+    if not _detects(book):
+        # No policy looks for contradictions: nothing is read, matched or closed.
+        return {user_id: ContradictionCounts() for user_id in users}
+    table = table_for(settings)
     matcher = get_matcher(settings)
     same_keys: dict[tuple[str, str], str] = {}
     if matcher.mode != "off":
@@ -308,6 +313,12 @@ def detect_many(
         counts[user_id] = work.counts()
     writes.flush(session, table)
     return counts
+
+
+def _detects(book: PolicyBook) -> bool:
+    """Whether any policy looks for contradictions (else a run leaves them as they are:
+    one no policy looks at is neither found nor closed)."""
+    return any(p.detects for p in (book.default, *book.agents.values()))
 
 
 def _restored(session: Session, book: PolicyBook, users: list[str]) -> dict[tuple[str, str], datetime]:

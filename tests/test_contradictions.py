@@ -242,3 +242,23 @@ def test_turning_detection_off_leaves_open_contradictions_open_and_flagged(
     assert [c.status for c in _contradictions(settings)] == ["closed"]
     assert {r["conflicted"] for r in entries_of(settings, "u1").values()} == {False}
     assert en["id"] in entries_of(settings, "u1")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_with_detection_off_a_user_with_new_keys_costs_no_key_matching(pg_settings: Settings, chunked: bool) -> None:
+    # Detection off everywhere: the key-matching model is never run for the user's keys
+    # (a user with thousands of keys would pay for it at every dream, for nothing).
+    settings = _settings(pg_settings, key_matching="embedding", detect_contradictions=False)
+    seed(settings, [entry("u1", "birthday", "1990-01-01"), entry("u1", "date_of_birth", "1991-02-02", agent="b")])
+    forget_matchers()
+    matcher = get_matcher(settings)
+    assert matcher.embedder is not None
+    outcomes = dream_users(settings, ["u1"]) if chunked else [dream_user(settings, "u1")]
+    assert [(o.status, o.contradictions_found) for o in outcomes] == [("succeeded", 0)]
+    assert matcher.embedder.inferences == 0
+    assert _contradictions(settings) == []
+    # Turned on, the same dream finds the contradiction.
+    on = _settings(pg_settings, key_matching="embedding")
+    outcomes = dream_users(on, ["u1"]) if chunked else [dream_user(on, "u1")]
+    assert [o.contradictions_found for o in outcomes] == [1]
+    forget_matchers()

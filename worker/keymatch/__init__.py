@@ -56,6 +56,13 @@ log = structlog.get_logger("reverie.keymatch")
 _SEPARATORS = re.compile(r"[\s_.\-]+")
 # Keys a process remembers vectors for; beyond it the memory starts again (about 1.5 KB each).
 MEMORY_VECTORS = 20_000
+#: Each new key is weighed against its this many closest known keys at most (those over
+#: the threshold): a key means the same as a handful of others, and a family of look-alike
+#: keys (``note_1`` ... ``note_5000``) would otherwise be weighed pair by pair.
+NEIGHBOURS = 32
+#: New keys are scored against the known ones this many at a time (memory: a block of
+#: scores, not one for every pair).
+SCORE_BLOCK = 256
 
 
 def _plain(key: str) -> str:
@@ -187,14 +194,22 @@ class KeyMatcher:
                 self._norms.append(norm)
                 self._index[norm] = base + offset
                 self._matches[norm] = {}
-            scores = self._matrix[base:] @ self._matrix.T
             lowest = min(self.threshold, self.strict_threshold)
-            for row, col in zip(*np.nonzero(scores >= lowest), strict=True):
-                a, b = new_norms[row], self._norms[col]
-                score = float(scores[row, col])
-                if a != b and self._decide(a, b, score):
-                    self._matches[a][b] = score
-                    self._matches[b][a] = score
+            known = self._matrix.T
+            for start in range(0, len(new_norms), SCORE_BLOCK):
+                scores = self._matrix[base + start : base + start + SCORE_BLOCK] @ known
+                if scores.shape[1] > NEIGHBOURS + 1:
+                    # Each row's closest keys (itself among them), in no order.
+                    closest = np.argpartition(scores, -(NEIGHBOURS + 1), axis=1)[:, -(NEIGHBOURS + 1) :]
+                else:
+                    closest = np.broadcast_to(np.arange(scores.shape[1]), scores.shape)
+                picked = np.take_along_axis(scores, closest, axis=1)
+                for row, at in zip(*np.nonzero(picked >= lowest), strict=True):
+                    a, b = new_norms[start + row], self._norms[closest[row, at]]
+                    score = float(picked[row, at])
+                    if a != b and self._decide(a, b, score):
+                        self._matches[a][b] = score
+                        self._matches[b][a] = score
 
     def _ensure(self, norms: Iterable[str]) -> None:
         """Vectors for rules forms not seen yet (a model run, not stored in the table)."""

@@ -80,6 +80,10 @@ def give_back_free_memory() -> None:
         _trim_heap()
 
 
+#: Phrases run through the model at once, at most.
+EMBED_BATCH = 256
+
+
 class Embedder:
     """Turns short phrases into unit vectors (mean-pooled, L2-normalised), one thread at a time.
 
@@ -142,6 +146,12 @@ class Embedder:
         """One unit vector per phrase, as rows of a ``(len(phrases), 384)`` array."""
         if not phrases:
             return np.zeros((0, DIMENSIONS), dtype=np.float32)
+        if len(phrases) > EMBED_BATCH:
+            # The model's buffers grow with the batch: many new keys at once (a user
+            # with thousands of them) are run a batch at a time, in bounded memory.
+            return np.concatenate(
+                [self.embed(phrases[at : at + EMBED_BATCH]) for at in range(0, len(phrases), EMBED_BATCH)]
+            )
         with self._lock:
             encoded = self._tokenizer.encode_batch(list(phrases))
             ids = np.array([e.ids for e in encoded], dtype=np.int64)
