@@ -293,7 +293,43 @@ def test_cli_profile_json_and_unknown_user(pg_settings: Settings) -> None:
     assert missing.returncode == 1
     assert "Traceback" not in missing.stderr
     lines = [line for line in missing.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "no profile yet for user nobody" in lines[0]
+    assert len(lines) == 1 and "no profile for user nobody: no entries and no schedule" in lines[0]
+    # Known, with entries no dream has built a profile of yet: how to build it now.
+    seed(pg_settings, [entry("u2", "city", "Lisbon", visibility="global")])
+    waiting = _cli(["profile", "u2"], pg_settings)
+    assert waiting.returncode == 1
+    assert waiting.stderr.strip().endswith(
+        "no profile yet for user u2: it is built by the next dream of that user"
+        " (`reverie run --user u2` dreams them now)"
+    )
+    assert _cli(["run", "--user", "u2"], pg_settings).returncode == 0
+    assert "Lisbon" in _cli(["profile", "u2"], pg_settings).stdout
+    # An empty name is refused as a usage error, as `reverie run --user ""` refuses it.
+    for argv in (["profile", ""], ["profile", "u1", "--agent", " "]):
+        refused = _cli(argv, pg_settings)
+        assert refused.returncode == 2 and "must not be empty" in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("budget", "error", "words"),
+    [
+        (float("nan"), TypeError, "not float"),
+        (500.0, TypeError, "not float"),
+        (True, TypeError, "not bool"),
+        ("50", TypeError, "not str"),
+        (-1, ValueError, "at least 0"),
+    ],
+)
+def test_get_for_prompt_refuses_a_budget_that_is_not_a_whole_number_and_leaves_the_transaction_usable(
+    pg_settings: Settings, budget: object, error: type[Exception], words: str
+) -> None:
+    seed(pg_settings, _world("u1"))
+    dream_users(pg_settings, ["u1"])
+    with session_scope(pg_settings) as session:
+        with pytest.raises(error, match=words):
+            get_for_prompt("u1", "agent-a", budget, session)  # type: ignore[arg-type]
+        # The caller's transaction goes on.
+        assert "vim" in get_for_prompt("u1", "agent-a", 500, session).text
 
 
 def test_reader_imports_neither_celery_nor_litellm() -> None:

@@ -8,6 +8,7 @@ as the builder would cut at that budget.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -16,7 +17,8 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from store import profiles as profile_store
-from store.db import read_once
+from store import schedule
+from store.db import read_once, session_scope
 from worker.profile_text import Layout, assemble, cut, estimate
 from worker.settings import Settings, get_settings
 
@@ -54,12 +56,35 @@ def get_for_prompt(
     only), within ``token_budget`` tokens if given. An agent that owns no entries of the
     user reads the shared entries. One primary-key read; with ``session`` it runs in the
     caller's transaction; without, outside any (the one statement sees one snapshot)."""
-    if token_budget is not None and token_budget < 0:
-        raise ValueError("token_budget must be at least 0")
+    token_budget = _budget(token_budget)
     if session is not None:
         return _read(session, user_id, agent_id, token_budget, settings)
     settings = settings or get_settings()
     return read_once(settings, lambda own: _read(own, user_id, agent_id, token_budget, settings))
+
+
+def _budget(token_budget: Any) -> int | None:
+    """``token_budget`` checked before anything is read (a bad one must not abort the
+    caller's transaction): None, or a whole number of tokens, at least 0."""
+    if token_budget is None:
+        return None
+    if isinstance(token_budget, bool):
+        raise TypeError("token_budget must be a whole number of tokens, not bool")
+    try:
+        budget = operator.index(token_budget)
+    except TypeError:
+        raise TypeError(f"token_budget must be a whole number of tokens, not {type(token_budget).__name__}") from None
+    if budget < 0:
+        raise ValueError("token_budget must be at least 0")
+    return budget
+
+
+def is_known(user_id: str, *, settings: Settings | None = None) -> bool:
+    """Whether Reverie knows the user: entries in the memory table, or a schedule row
+    (a user with neither gets no profile from any dream)."""
+    settings = settings or get_settings()
+    with session_scope(settings) as session:
+        return bool(schedule.known_user_ids(session, settings, [user_id]))
 
 
 def _read(

@@ -28,10 +28,17 @@ def profile(
     A user with no profile yet prints one line saying so (exit 1); with --json, an
     empty profile (built_at null, exit 1).
     """
-    from worker.profiles_reader import get_for_prompt
+    from worker.errors import InvalidSignal
+    from worker.payloads import check_identifier
+    from worker.profiles_reader import get_for_prompt, is_known
 
     if budget is not None and budget < 0:
         fail("--budget must be at least 0", code=2)
+    try:
+        check_identifier("user", user, required=True)
+        check_identifier("--agent", agent, required=False)
+    except InvalidSignal as exc:
+        fail(str(exc), code=2)
     settings = load_settings()
     found = get_for_prompt(user, agent, budget, settings=settings)
     if as_json:
@@ -40,6 +47,14 @@ def profile(
             raise SystemExit(1)
         return
     if found.built_at is None:
+        if not is_known(user, settings=settings):
+            fail(
+                f"no profile for user {user}: no entries and no schedule for this user "
+                "(a user's first entries come from the application or a signal)"
+            )
         who = f" for agent {agent}" if agent else ""
-        fail(f"no profile yet for user {user}{who}: it is built by the next dream of that user")
+        fail(
+            f"no profile yet for user {user}{who}: it is built by the next dream of that user "
+            f"(`reverie run --user {user}` dreams them now)"
+        )
     print(found.text, end="")
