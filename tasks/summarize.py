@@ -18,12 +18,10 @@ group refused by the budget or a transient error is tried again at the next pass
 the model could not summarize (an unusable reply, which would most likely come back,
 and be paid for, again) at the user's next scheduled dream.
 
-A group whose prompt is longer than the model's context window, or whose keys and
-values take more tokens than one reply may (``llm_max_output_tokens``: its summary
-would be cut off, or lose facts, and be paid for at every pass), is split in two halves
+A group whose prompt is longer than the model's context window is split in two halves
 (each still at least ``summarizeMinEntries``), each summarized on its own; one too
-small to split is skipped with that reason in the ledger (or, over the output ceiling,
-tried whole), and the user's other groups are summarized as usual.
+small to split is skipped with that reason in the ledger, and the user's other groups
+are summarized as usual.
 """
 
 from __future__ import annotations
@@ -222,18 +220,14 @@ def _json_of(text: str) -> Any:
         raise UnusableReply("the reply is not JSON") from None
 
 
-def needed_output_tokens(settings: Settings, group: list[Any]) -> int:
-    """About what the group's keys and values take: a summary that keeps every fact
-    needs about as much room in the reply."""
+def min_output_tokens(settings: Settings, group: list[Any]) -> int:
+    """The smallest output ceiling worth a call: about what the group's keys and values
+    take (a summary that keeps every fact needs about as much), at most the setting."""
     from worker import llm
 
     entries = [{"key": row.key, "value": _value_text(row.value)} for row in group]
-    return llm.count_text_tokens(settings, json.dumps(entries, ensure_ascii=False)) + OUTPUT_SLACK_TOKENS
-
-
-def min_output_tokens(settings: Settings, group: list[Any]) -> int:
-    """The smallest output ceiling worth a call: :func:`needed_output_tokens`, at most the setting."""
-    return min(settings.llm_max_output_tokens, needed_output_tokens(settings, group))
+    needed = llm.count_text_tokens(settings, json.dumps(entries, ensure_ascii=False)) + OUTPUT_SLACK_TOKENS
+    return min(settings.llm_max_output_tokens, needed)
 
 
 def summarize_user(
@@ -294,19 +288,16 @@ class _Pass:
         log.info("summarize_group_deferred", user=user_ref(self.user_id), reason=reason[:200])
 
     def summarize(self, group: list[Any], target: int, min_entries: int) -> None:
-        splits = len(group) >= 2 * min_entries
-        if splits and needed_output_tokens(self.settings, group) > self.settings.llm_max_output_tokens:
-            # More facts than one reply holds: the reply would be cut off, or lose facts,
-            # at every pass, and be paid for each time. Halves are summarized instead.
-            self._split(group, target, min_entries, "output")
-            return
         try:
             reply = self._call(group, target)
         except ContextWindowExceeded:
-            if not splits:
+            if len(group) < 2 * min_entries:
                 self._defer("skipped: too long for the model's context window, too small to split")
                 return
-            self._split(group, target, min_entries, "context")
+            log.info("summarize_group_split", user=user_ref(self.user_id), entries=len(group))
+            half = len(group) // 2
+            self.summarize(group[:half], target, min_entries)
+            self.summarize(group[half:], target, min_entries)
             return
         if reply is None:
             return
@@ -327,12 +318,6 @@ class _Pass:
         self.counts.written += len(new_ids)
         metrics.MEMORY_WRITES.labels(source="summarize", action="insert").inc(len(new_ids))
         metrics.MEMORY_WRITES.labels(source="summarize", action="delete").inc(len(group))
-
-    def _split(self, group: list[Any], target: int, min_entries: int, over: str) -> None:
-        log.info("summarize_group_split", user=user_ref(self.user_id), entries=len(group), over=over)
-        half = len(group) // 2
-        self.summarize(group[:half], target, min_entries)
-        self.summarize(group[half:], target, min_entries)
 
     def _call(self, group: list[Any], target: int) -> LlmReply | None:
         """The model's reply for the group, or None (deferred, and counted)."""

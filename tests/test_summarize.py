@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select, update
-from structlog.testing import capture_logs
 
 import store.summaries
 from store.db import session_scope
@@ -281,20 +280,3 @@ def test_an_application_edit_landing_as_the_summary_is_written_is_never_removed_
     else:
         assert removed_values == []
         assert "edited by the application" in {str(r["value"]) for r in entries_of(store_settings, "u1").values()}
-
-
-def test_a_group_with_more_facts_than_one_reply_holds_is_summarized_in_halves_not_paid_for_at_every_pass(
-    pg_settings: Settings,
-) -> None:
-    # 48 facts whose keys and values alone take more tokens than one reply may: asked
-    # whole, the summary would be cut off at the ceiling, deferred, and asked (and paid
-    # for) again at every scheduled dream.
-    settings = pg_settings.model_copy(update={"llm_max_output_tokens": 200})
-    seed(settings, [entry("u1", f"note_{i}", f"fact number {i} about the trip", category="context") for i in range(48)])
-    with capture_logs() as logs:
-        outcome = dream_user(settings, "u1")
-    assert (outcome.status, outcome.groups_deferred) == ("succeeded", 0), outcome.error
-    assert outcome.entries_summarized == 48
-    assert 0 < outcome.entries_written < 48
-    assert [e["over"] for e in logs if e["event"] == "summarize_group_split"][:1] == ["output"]
-    assert not any(e["event"] == "llm_reply_malformed" for e in logs)
