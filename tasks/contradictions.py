@@ -262,8 +262,9 @@ def detect(
     run_id: int | None,
 ) -> ContradictionCounts:
     """Find, record, flag, resolve and close the user's contradictions (caller's transaction)."""
-    if not _detects(book):
-        return ContradictionCounts()
+    already_open = store.open_by_key(session, user_id)
+    if not _detects(book) and not already_open:
+        return ContradictionCounts()  # nothing to find or close (see :func:`detect_many`)
     table = table_for(settings)
     matcher = get_matcher(settings)
     rows = user_entries(session, table, user_id)
@@ -273,7 +274,7 @@ def detect(
     work = _Pass(session, settings, table, user_id, book, at, run_id, writes)
     work.restored = {e: at for (_, e), at in _restored(session, book, [user_id]).items()}
     unseen = _unseen(rows, book)
-    _detect_user(work, groups, store.open_by_key(session, user_id), scoped=owners is not None, unseen=unseen)
+    _detect_user(work, groups, already_open, scoped=owners is not None, unseen=unseen)
     writes.flush(session, table)
     return work.counts()
 
@@ -285,8 +286,10 @@ def detect_many(
     in the caller's transaction, from one read of the entries that may contradict
     (PostgreSQL; see :func:`store.memories.contradiction_candidates`)."""
     users = sorted(runs)
-    if not _detects(book):
-        # No policy looks for contradictions: nothing is read, matched or closed.
+    already_open = store.open_by_user(session, users)
+    if not _detects(book) and not any(already_open.values()):
+        # No policy looks for contradictions and none is open: there is nothing to find
+        # or close, and the keys are not matched (a cost with no use here).
         return {user_id: ContradictionCounts() for user_id in users}
     table = table_for(settings)
     matcher = get_matcher(settings)
@@ -298,7 +301,6 @@ def detect_many(
     by_user: dict[str, list[Any]] = defaultdict(list)
     for row in contradiction_candidates(session, table, users, same_keys):
         by_user[row.user_id].append(row)
-    already_open = store.open_by_user(session, users)
     restored: dict[str, dict[str, datetime]] = defaultdict(dict)
     for (user_id, entry_id), restored_at in _restored(session, book, users).items():
         restored[user_id][entry_id] = restored_at
@@ -316,8 +318,7 @@ def detect_many(
 
 
 def _detects(book: PolicyBook) -> bool:
-    """Whether any policy looks for contradictions (else a run leaves them as they are:
-    one no policy looks at is neither found nor closed)."""
+    """Whether any policy looks for contradictions."""
     return any(p.detects for p in (book.default, *book.agents.values()))
 
 

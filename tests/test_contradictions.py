@@ -262,3 +262,22 @@ def test_with_detection_off_a_user_with_new_keys_costs_no_key_matching(pg_settin
     outcomes = dream_users(on, ["u1"]) if chunked else [dream_user(on, "u1")]
     assert [o.contradictions_found for o in outcomes] == [1]
     forget_matchers()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_with_detection_off_a_contradiction_whose_rows_are_gone_is_still_closed(
+    pg_settings: Settings, chunked: bool
+) -> None:
+    settings = _settings(pg_settings)
+    seed(settings, [entry("u1", "language", "English", agent="a"), entry("u1", "language", "German", agent="b")])
+    dream_user(settings, "u1")
+    assert [c.status for c in _contradictions(settings)] == ["open"]
+    with session_scope(settings) as session:
+        table = table_for(settings)
+        session.execute(delete(table).where(table.c.user_id == "u1"))
+    off = _settings(pg_settings, detect_contradictions=False)
+    if chunked:
+        dream_users(off, ["u1"])
+    else:
+        dream_user(off, "u1")
+    assert [c.status for c in _contradictions(settings)] == ["closed"]

@@ -464,3 +464,25 @@ def test_thousands_of_look_alike_keys_are_matched_in_bounded_memory_and_time(tmp
     assert got["notes"] == 3000  # numbered notes are different facts
     assert got["most_matches"] <= got["neighbours"]
     assert got["rss_mb"] < 700, got
+
+
+def test_a_true_match_is_found_behind_look_alikes_the_rules_refuse_whatever_the_order_keys_came_in() -> None:
+    # diet_1 ... diet_50 score closer to ``diet`` than ``dietary_preference`` does, and
+    # are each refused (a number is another fact); the one true match is still found,
+    # whether its key came before them, after them, or with them.
+    look_alikes = [f"diet_{i}" for i in range(1, 51)]
+    orders = {
+        "pair first": [["diet", "dietary_preference"], look_alikes],
+        "one batch": [["diet", "dietary_preference", *look_alikes]],
+        "key last": [["dietary_preference", *look_alikes], ["diet"]],
+    }
+    for name, batches in orders.items():
+        forget_matchers()
+        matcher = get_matcher(Settings(key_matching="embedding"))
+        assert matcher.embedder is not None
+        for batch in batches:
+            matcher.embed([matcher.normalise(k) for k in batch])
+        assert matcher.same("diet", "dietary_preference"), name
+        assert matcher.find("diet", ["dietary_preference", *look_alikes]) == "dietary_preference", name
+        assert not matcher.same("diet", "diet_1"), name
+    forget_matchers()

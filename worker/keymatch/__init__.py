@@ -58,8 +58,10 @@ _SEPARATORS = re.compile(r"[\s_.\-]+")
 MEMORY_VECTORS = 20_000
 #: Each new key is weighed against its this many closest known keys at most (those over
 #: the threshold): a key means the same as a handful of others, and a family of look-alike
-#: keys (``note_1`` ... ``note_5000``) would otherwise be weighed pair by pair.
-NEIGHBOURS = 32
+#: keys (``note_1`` ... ``note_5000``) would otherwise be weighed pair by pair. Look-alikes
+#: the rules then refuse (``diet_1`` ... beside ``diet``) take places too: a true match
+#: is missed only behind more than this many of them closer to the key than it is.
+NEIGHBOURS = 64
 #: New keys are scored against the known ones this many at a time (memory: a block of
 #: scores, not one for every pair).
 SCORE_BLOCK = 256
