@@ -296,10 +296,10 @@ def test_erasure_waiting_for_routine_detection_never_holds_up_other_users_activi
         """The detection's last step: every routine written, its transaction still open."""
 
         @staticmethod
-        def mark_dirty(session: Any, user_id: str) -> None:
+        def mark_dirty(session: Any, settings: Settings, user_id: str) -> None:
             entered.set()
             assert release.wait(WAIT)
-            real(session, user_id)
+            real(session, settings, user_id)
 
     monkeypatch.setattr(activity, "schedule", HeldSchedule)
     detector = start(detect_routines, pg_settings)
