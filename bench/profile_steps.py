@@ -80,6 +80,10 @@ def run(users: int, entries: int, rounds: int) -> dict[str, list[float]]:
 
         run_once(_settings(_url(make(template))), users=[f"user-{u:06d}" for u in range(min(users, 20))])
         dispose_engines()
+        # As `reverie run` and the worker do once loaded: the collector is kept off it.
+        from worker.heap import freeze_loaded
+
+        freeze_loaded()
         for index in range(rounds):
             copies = {variant: _url(make(template)) for variant in VARIANTS}
             # Each round in the other order: what drifts within a round favours none.

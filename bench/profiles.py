@@ -265,6 +265,10 @@ def sweeps(
 
     run_once(_settings(_url(template)), users=[f"user-{u:06d}" for u in range(min(users, 20))])
     dispose_engines()
+    # As `reverie run` and the worker do once loaded: the collector is kept off it.
+    from worker.heap import freeze_loaded
+
+    freeze_loaded()
     offs, ons = [], []
     for off_db, on_db in copies:
         off, done_off = _sweep(off_db, build_profiles=False)

@@ -16,7 +16,6 @@ The periodic ``dream_signals_pending`` refresh is :func:`refresh_pending_gauge`.
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
 import os
 import sys
@@ -30,6 +29,7 @@ from celery.app import trace as celery_trace
 
 from worker import metrics_server
 from worker.errors import ConfigError, ReverieError
+from worker.heap import freeze_loaded
 from worker.logging_setup import configure_logging, route_litellm_logging
 from worker.logs import get_logger, warn_if_public_hash_key
 from worker.metrics_server import refresh_pending_gauge
@@ -158,7 +158,7 @@ def _preload_gateway(settings: Settings) -> None:
         log.info("llm gateway preloaded", seconds=round(took, 2))
     # What is loaded now lives as long as the process: keep the cyclic collector off
     # these objects, so it does not touch (and so copy) their pages in every child.
-    gc.freeze()
+    freeze_loaded()
 
 
 def _beat_init(sender: Any = None, **_: Any) -> None:
