@@ -124,7 +124,7 @@ def _explain(settings: Settings) -> str:
     from sqlalchemy import text
 
     at = now()
-    interval = settings.dream_interval_hours * 3600
+    interval = settings.dream_interval_seconds
     params = {
         "at": at,
         "limit": settings.dispatch_max_users,

@@ -53,7 +53,7 @@ def claim(settings: Settings, *, at: datetime | None = None) -> list[str]:
             session,
             at=stamped[0],
             limit=settings.dispatch_max_users,
-            interval_seconds=settings.dream_interval_hours * 3600,
+            interval_seconds=settings.dream_interval_seconds,
             dirty_delay_seconds=settings.dispatch_dirty_delay_seconds,
             lease_seconds=settings.dispatch_lease_seconds,
         )

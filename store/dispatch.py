@@ -220,7 +220,7 @@ def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime | N
     at = at or db_now(session)
     dialect = session.get_bind().dialect
     if dialect.name == "postgresql":
-        interval = settings.dream_interval_hours * 3600
+        interval = settings.dream_interval_seconds
         scan = text(_PG_ADOPT.format(memories=dialect.identifier_preparer.format_table(memories)))
         base = (at - EPOCH).total_seconds()
         return len(session.execute(scan, {"base": base, "interval": interval}).all())

@@ -55,7 +55,7 @@ def mark_dirty_many(session: Session, settings: Settings, user_ids: Sequence[str
     if not users:
         return
     when = at or db_now(session)
-    interval = settings.dream_interval_hours * 3600
+    interval = settings.dream_interval_seconds
     _upsert(
         session,
         [

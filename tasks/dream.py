@@ -387,9 +387,7 @@ def _finish(
         runs.finish_run(
             session, run_id, status=outcome.status, counts=outcome.counts(), cost_nano=cost_nano, error=outcome.error
         )
-        schedule.mark_dreamed(
-            session, user_id, started, db_now(session) + timedelta(hours=settings.dream_interval_hours)
-        )
+        schedule.mark_dreamed(session, user_id, started, db_now(session) + settings.dream_interval)
         if outcome.retry_soon:
             # Work left over (budget, transient errors) is carried to the next pass; a
             # group the model could not summarize waits for the next scheduled dream.
@@ -661,7 +659,7 @@ class _Chunk:
             for outcome in outcomes:
                 if outcome.user_id not in held:
                     _close_lost(session, self.keeper, outcome, costs.get(outcome.run_id or 0, 0))
-            next_at = db_now(session) + timedelta(hours=self.settings.dream_interval_hours)
+            next_at = db_now(session) + self.settings.dream_interval
             schedule.mark_dreamed_many(session, sorted(held), self.at, next_at)
             # Work left over (budget, time, transient errors) is carried to the next pass.
             # (A group the model could not summarize waits for the next scheduled dream.)

@@ -71,6 +71,30 @@ def test_run_warns_once_when_the_log_hash_key_is_the_public_default(tmp_path: Pa
     assert json.loads(default.stdout)["users_processed"] == 0
 
 
+@pytest.mark.parametrize(
+    "args", [["profile", "alice"], ["run", "--json"], ["health"], ["signals", "list"], ["erase-user", "alice", "--yes"]]
+)
+def test_a_command_on_a_sqlite_file_that_is_not_there_says_so_and_creates_nothing(
+    tmp_path: Path, args: list[str]
+) -> None:
+    # With no REVERIE_DATABASE_URL, the default is ./reverie.db: a command reading it
+    # must not leave an empty database behind (it would look like a production one).
+    result = run(args, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("reverie: error: ")]
+    assert errors == [
+        f"reverie: error: no database at {tmp_path / 'reverie.db'}: `reverie migrate` creates it "
+        "(or set REVERIE_DATABASE_URL to yours)"
+    ], result.stderr
+    assert list(tmp_path.iterdir()) == []
+    created = run(["migrate"], cwd=tmp_path)
+    assert created.returncode == 0, created.stderr
+    assert (tmp_path / "reverie.db").exists()
+    again = run(["profile", "alice"], cwd=tmp_path)
+    assert again.returncode == 1 and "no profile for user alice" in again.stderr, again.stderr
+
+
 def test_a_pass_keeps_the_collector_off_what_the_process_loaded(tmp_path: Path) -> None:
     # The cyclic collector's full walks cover every object the process holds; a pass
     # over many users makes them often. `reverie run` moves what its start-up loaded
@@ -433,6 +457,9 @@ def test_health_fails_in_one_line_when_a_dependency_is_down(
 
 
 def test_health_fails_on_an_unmigrated_database(tmp_path: Path) -> None:
+    import sqlite3
+
+    sqlite3.connect(tmp_path / "new.db").close()  # there, and empty
     result = run(["health"], env={"REVERIE_DATABASE_URL": f"sqlite:///{tmp_path / 'new.db'}"})
     assert_one_line_error(result, "run reverie migrate")
 

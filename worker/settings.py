@@ -6,6 +6,7 @@ directory. Modules receive a :class:`Settings` instance; none reads ``os.environ
 
 from __future__ import annotations
 
+from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -262,6 +263,15 @@ class Settings(BaseSettings):
         if self.max_cost_per_signal is not None:
             return self.max_cost_per_signal
         return self.max_cost_per_day * SIGNAL_SHARE
+
+    @property
+    def dream_interval_seconds(self) -> float:
+        """How long a user's scheduled dreams are apart (``dream_interval_hours``), in seconds."""
+        return self.dream_interval_hours * 3600
+
+    @property
+    def dream_interval(self) -> timedelta:
+        return timedelta(seconds=self.dream_interval_seconds)
 
     @property
     def is_sqlite(self) -> bool:

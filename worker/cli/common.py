@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import typer
@@ -97,12 +98,15 @@ def _option_refused(orig: object) -> str | None:
     return first.removeprefix("connection is bad: ")
 
 
-def load_settings() -> Settings:
+def load_settings(*, creates_database: bool = False) -> Settings:
     """The process settings; a bad value becomes one line, not a pydantic dump.
 
     With no database configured, say which SQLite file is used (on stderr, so ``--json``
     output stays clean): a silently created ``./reverie.db`` looks like an empty
-    production database. Logging is set up here, to stderr, for every command.
+    production database. A SQLite file that is not there is created by the command that
+    ``creates_database`` (``reverie migrate``) only: any other command says so and exits
+    1, instead of leaving an empty file behind. Logging is set up here, to stderr, for
+    every command.
     """
     from worker.logging_setup import configure_logging
     from worker.settings import get_settings
@@ -116,4 +120,8 @@ def load_settings() -> Settings:
             f"reverie: REVERIE_DATABASE_URL is not set; using the SQLite file {settings.sqlite_path()}",
             file=sys.stderr,
         )
+    if settings.is_sqlite and not creates_database:
+        path = settings.sqlite_path()
+        if path != ":memory:" and not Path(path).exists():
+            fail(f"no database at {path}: `reverie migrate` creates it (or set REVERIE_DATABASE_URL to yours)")
     return settings
