@@ -7,6 +7,7 @@ rolls back on error. Driver errors that mean "the database is not there" become
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import zlib
@@ -21,7 +22,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from worker.errors import ConfigError, DatabaseUnavailable, MemoryTableMissing, SchemaMissing
+from worker.errors import ConfigError, DatabaseUnavailable, MemoryTableMissing, SchemaMissing, StoredValueUnreadable
 from worker.logs import get_logger
 from worker.settings import Settings
 from worker.url_secrets import mask_secrets, mask_url
@@ -189,6 +190,18 @@ def _raise_if_lost(dbapi_connection: Any, exc: psycopg.Error) -> None:
 LOST_CONNECTION = "the connection is lost"
 
 
+def read_sqlite_json(raw: str) -> Any:
+    """A ``JSON`` column's value as SQLite holds it (text it never checked): what is not
+    JSON, or is nested deeper than Python reads, is refused in words that name neither
+    the value nor its user, instead of a bare decoder error."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise StoredValueUnreadable("is nested deeper than Reverie reads (about 1,000 levels)") from None
+    except ValueError:
+        raise StoredValueUnreadable("is not valid JSON") from None
+
+
 def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any) -> Engine:
     """A new engine for ``url``; PostgreSQL connections fail fast instead of hanging,
     and with ``guards`` notice a vanished peer (see :class:`SessionGuards`)."""
@@ -202,6 +215,7 @@ def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any
     # which may be logged or kept.
     kwargs.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "sqlite":
+        kwargs.setdefault("json_deserializer", read_sqlite_json)
         engine = create_engine(url, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine

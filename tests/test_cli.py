@@ -881,3 +881,46 @@ def test_a_connection_option_the_driver_refuses_is_named_in_one_line(query: str,
     result = run(["health"], env={"REVERIE_DATABASE_URL": url})
     assert_one_line_error(result, "REVERIE_DATABASE_URL", named)
     assert "s3cret-pw" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("stored", "why"),
+    [("Bobby-the-secret", "is not valid JSON"), ("[" * 1100 + "]" * 1100, "is nested deeper than Reverie reads")],
+    ids=["not-json", "too-deep"],
+)
+def test_a_value_sqlite_holds_that_is_not_json_fails_its_users_run_in_words_and_is_left_as_it_is(
+    tmp_path: Path, stored: str, why: str
+) -> None:
+    # SQLite does not check its JSON column: a host may write text that is not JSON. The
+    # user's run fails, saying so (never quoting the value), nothing of theirs is
+    # rewritten or archived, the other users are dreamed, and once the row is mended
+    # the user is dreamed again.
+    import sqlite3
+
+    db = tmp_path / "r.db"
+    env = {"REVERIE_DATABASE_URL": f"sqlite:///{db}", "REVERIE_SUMMARIZE_INTERACTIONS": "false"}
+    assert run(["migrate"], env=env).returncode == 0
+    with sqlite3.connect(db) as conn:
+        conn.executemany(
+            "INSERT INTO usermemories (id, user_id, key, value, visibility) VALUES (?, ?, ?, ?, 'global')",
+            [("b1", "bob", "name", stored), ("b2", "bob", "city", '"Paris"'), ("a1", "alice", "city", '"Rome"')],
+        )
+    done = run(["run", "--all", "--json"], env=env)
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["users_processed"], report["users_failed"]) == (1, 1), report
+    assert len(report["errors"]) == 1 and f"a value in the memory table {why}" in report["errors"][0], report
+    assert "json_valid" in report["errors"][0] and "Bobby" not in done.stdout + done.stderr
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT value FROM usermemories WHERE id = 'b1'").fetchone() == (stored,)
+        assert conn.execute("SELECT count(*) FROM dream_archive").fetchone() == (0,)
+        if why == "is not valid JSON":
+            # The query the message gives finds the row.
+            found = conn.execute("SELECT id, user_id, key FROM usermemories WHERE NOT json_valid(value)").fetchall()
+            assert found == [("b1", "bob", "name")]
+        conn.execute("UPDATE usermemories SET value = '\"Bobby\"' WHERE id = 'b1'")
+    again = run(["run", "--user", "bob", "--json"], env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads(again.stdout)["users_processed"] == 1
+    shown = run(["profile", "bob"], env=env)
+    assert shown.returncode == 0 and "- name: Bobby" in shown.stdout, shown.stdout + shown.stderr

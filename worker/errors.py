@@ -69,6 +69,19 @@ class PermanentError(ReverieError):
     """Not worth retrying: bad credentials, an unknown or unpriced model."""
 
 
+class StoredValueUnreadable(PermanentError):
+    """A value in the memory table is not JSON Reverie can read (SQLite does not check
+    its ``JSON`` column): the user's dreams wait until that row is mended or removed,
+    rather than rewrite or archive a value other than the one stored."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(
+            f"a value in the memory table {why}: this user's dreams wait until that row is "
+            "mended or removed (`SELECT id, user_id, key FROM <memory table> WHERE NOT json_valid(value)` "
+            "finds such rows)"
+        )
+
+
 class ContextWindowExceeded(PermanentError):
     """The prompt is longer than the model's context window: the same prompt never fits."""
 
