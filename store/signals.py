@@ -34,19 +34,24 @@ def insert_signal(
     agent_id: str | None,
     idempotency_key: str | None,
     fallback_key: str,
+    payload_text: str | None = None,
 ) -> Inserted:
     """Insert a signal unless this user already has one with the same idempotency key.
 
     On PostgreSQL a missing key is computed by the table's trigger, exactly as for a
-    producer that INSERTs by hand; elsewhere ``fallback_key`` is used.
+    producer that INSERTs by hand; elsewhere ``fallback_key`` is used. ``payload_text``:
+    the payload as the JSON text it came in, written as that text on PostgreSQL (its
+    numbers as written: ``100.50`` stays ``100.50``, as a producer's own SQL keeps it,
+    and so gets the same key).
     """
     dialect = session.get_bind().dialect.name
     key = idempotency_key if idempotency_key is not None or dialect == "postgresql" else fallback_key
+    as_text = payload_text if dialect == "postgresql" else None
     values = {
         "kind": kind,
         "user_id": user_id,
         "agent_id": agent_id,
-        "payload": payload,
+        "payload": payload if as_text is None else cast(literal(as_text, Text), postgresql.JSONB),
         "idempotency_key": key,
     }
     insert = postgresql.insert(Signal) if dialect == "postgresql" else sqlite.insert(Signal)
@@ -61,13 +66,14 @@ def insert_signal(
     # Keys are unique per user: the duplicate is this user's own signal, never another's.
     existing = session.execute(
         select(Signal.id, Signal.idempotency_key).where(
-            Signal.user_id == user_id, Signal.idempotency_key == _key_expression(key, values, dialect)
+            Signal.user_id == user_id,
+            Signal.idempotency_key == _key_expression(key, kind, user_id, as_text or _json_text(payload), dialect),
         )
     ).one()
     return Inserted(existing.id, existing.idempotency_key, created=False)
 
 
-def _key_expression(key: str | None, values: dict[str, Any], dialect: str) -> Any:
+def _key_expression(key: str | None, kind: str, user_id: str, payload_text: str, dialect: str) -> Any:
     if key is not None:
         return key
     # The same expression the trigger uses, so a duplicate is found without a second hash.
@@ -75,11 +81,7 @@ def _key_expression(key: str | None, values: dict[str, Any], dialect: str) -> An
     return text(
         "encode(sha256(convert_to("
         ":kind || E'\\n' || :user_id || E'\\n' || CAST(:payload AS jsonb)::text, 'UTF8')), 'hex')"
-    ).bindparams(
-        kind=values["kind"],
-        user_id=values["user_id"],
-        payload=_json_text(values["payload"]),
-    )
+    ).bindparams(kind=kind, user_id=user_id, payload=payload_text)
 
 
 def _json_text(payload: Any) -> str:

@@ -176,6 +176,31 @@ def test_enqueue_roundtrip_and_duplicate(pg_settings: Settings, tmp_path: Path) 
     assert [(r["kind"], r["user"], r["status"]) for r in rows] == [("activity", "u1", "pending")]
 
 
+def test_a_payload_sent_by_the_command_line_and_by_sql_is_one_signal_whatever_its_numbers(
+    pg_settings: Settings,
+) -> None:
+    # The default key hashes the payload as PostgreSQL's jsonb writes it, which keeps a
+    # number's digits as sent (100.50, 1e2 as 100): the command line writes the file's own
+    # text, so the same text by SQL is the same signal, whichever comes first.
+    import psycopg
+
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
+    texts = [
+        '{"events": [{"action": "paid", "at": "2026-11-27T09:00:00Z", "attributes": {"amount": 100.50, "n": 1e2}}]}',
+        '{"events": [{"action": "tip", "at": "2026-11-27T09:00:00Z", "attributes": {"amount": 0.10}}]}',
+    ]
+    sql = "INSERT INTO dream_signals (kind, user_id, payload) VALUES ('activity', 'u1', %s) ON CONFLICT DO NOTHING"
+    with psycopg.connect(pg_settings.database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        first = run(["enqueue", "activity", "--user", "u1", "--payload", "-"], env=env, stdin=texts[0])
+        assert first.returncode == 0 and first.stdout.startswith("enqueued signal "), first.stderr
+        assert conn.execute(sql, (texts[0],)).rowcount == 0  # the same signal: nothing written
+        assert conn.execute(sql, (texts[1],)).rowcount == 1
+        second = run(["enqueue", "activity", "--user", "u1", "--payload", "-"], env=env, stdin=texts[1])
+        assert second.returncode == 0 and second.stdout.startswith("duplicate:"), second.stdout
+        stored = conn.execute("SELECT payload::text FROM dream_signals ORDER BY id").fetchall()
+    assert ["100.50" in stored[0][0], "0.10" in stored[1][0]] == [True, True], stored
+
+
 @pytest.mark.parametrize(
     ("args", "stdin", "needles"),
     [

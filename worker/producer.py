@@ -39,11 +39,15 @@ def enqueue_signal(
     idempotency_key: str | None = None,
     session: Session | None = None,
     settings: Settings | None = None,
+    payload_text: str | None = None,
 ) -> Enqueued:
     """Validate and queue a signal. Raises :class:`~worker.errors.InvalidSignal`.
 
     A second call with the same idempotency key (by default a hash of kind, user and
-    canonical payload) writes nothing and returns ``created=False``.
+    canonical payload) writes nothing and returns ``created=False``. ``payload_text``:
+    the JSON text ``payload`` was read from, if any (``reverie enqueue``'s file); on
+    PostgreSQL it is written as it is, so its numbers keep their digits (``100.50``)
+    and its default key is the one the same text sent by SQL gets.
     """
     settings = settings or get_settings()
     validate_signal(kind, user_id, payload, settings, agent_id=agent_id, idempotency_key=idempotency_key)
@@ -63,6 +67,7 @@ def enqueue_signal(
                 agent_id=agent_id,
                 idempotency_key=idempotency_key,
                 fallback_key=fallback,
+                payload_text=payload_text,
             )
         return Enqueued(inserted.signal_id, inserted.idempotency_key, inserted.created)
 

@@ -21,7 +21,8 @@ app.add_typer(signals_app, name="signals")
 STATUSES = ("pending", "processing", "done", "rejected", "failed", "dead")
 
 
-def _read_payload(source: str) -> Any:
+def _read_payload(source: str) -> tuple[Any, str]:
+    """The payload and the JSON text it was read from."""
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text("utf-8")
     except OSError as exc:
@@ -29,7 +30,7 @@ def _read_payload(source: str) -> Any:
     except UnicodeDecodeError:
         fail(f"payload {source} is not UTF-8 text")
     try:
-        return json.loads(text)
+        return json.loads(text), text
     except json.JSONDecodeError as exc:
         fail(f"payload is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
     except RecursionError:
@@ -51,9 +52,11 @@ def enqueue(
     from worker.producer import enqueue_signal
 
     check_kind(kind)  # before reading stdin, so a typo fails at once
-    body = _read_payload(payload)
+    body, text = _read_payload(payload)
     settings = load_settings()
-    result = enqueue_signal(kind, user, body, agent_id=agent, idempotency_key=idempotency_key, settings=settings)
+    result = enqueue_signal(
+        kind, user, body, agent_id=agent, idempotency_key=idempotency_key, settings=settings, payload_text=text
+    )
     if result.created:
         print(f"enqueued signal {result.signal_id} ({kind}), idempotency key {result.idempotency_key}")
     else:
