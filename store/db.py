@@ -190,16 +190,20 @@ def _raise_if_lost(dbapi_connection: Any, exc: psycopg.Error) -> None:
 LOST_CONNECTION = "the connection is lost"
 
 
-def read_sqlite_json(raw: str) -> Any:
-    """A ``JSON`` column's value as SQLite holds it (text it never checked): what is not
-    JSON, or is nested deeper than Python reads, is refused in words that name neither
-    the value nor its user, instead of a bare decoder error."""
+def read_json(raw: str | bytes) -> Any:
+    """A JSON column's value as the database hands it out: what is not JSON (SQLite
+    never checks its ``JSON`` columns) or is nested deeper than Python reads (``jsonb``
+    holds that too) is refused in words that name neither the value nor its user,
+    instead of a bare decoder error."""
     try:
         return json.loads(raw)
     except RecursionError:
         raise StoredValueUnreadable("is nested deeper than Reverie reads (about 1,000 levels)") from None
     except ValueError:
-        raise StoredValueUnreadable("is not valid JSON") from None
+        raise StoredValueUnreadable(
+            "is not valid JSON",
+            " (`SELECT id, user_id, key FROM usermemories WHERE NOT json_valid(value)` finds such rows)",
+        ) from None
 
 
 def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any) -> Engine:
@@ -215,7 +219,7 @@ def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any
     # which may be logged or kept.
     kwargs.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "sqlite":
-        kwargs.setdefault("json_deserializer", read_sqlite_json)
+        kwargs.setdefault("json_deserializer", read_json)
         engine = create_engine(url, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
@@ -223,6 +227,7 @@ def build_engine(url: str, *, guards: SessionGuards | None = None, **kwargs: Any
         raise ConfigError(f"unsupported database {parsed.get_backend_name()!r}: use postgresql or sqlite")
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("pool_size", 5)
+    kwargs.setdefault("json_deserializer", read_json)
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("connect_timeout", 5)
     # Named, so an operator can find (or terminate) Reverie's sessions in

@@ -43,6 +43,7 @@ from worker.errors import (
     InvalidSignal,
     PermanentError,
     SchemaMissing,
+    StoredValueUnreadable,
     TransientError,
     raised_at,
 )
@@ -275,6 +276,12 @@ def _guarded(settings: Settings, claim: Claimed, result: SignalResult, step: Cal
     except TransientError as exc:
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
         result.reason = f"transient error: {exc}"
+        log_detail = {"error": type(exc).__name__}
+    except StoredValueUnreadable as exc:
+        # A host's row the signal's work reads, not the signal: tried again as any
+        # failed work is (and after its last attempt, retried by hand once it is mended).
+        result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
+        result.reason = str(exc)
         log_detail = {"error": type(exc).__name__}
     except PermanentError as exc:
         result.outcome, result.reason = "dead", f"permanent model error (fix the setting, then retry): {exc}"

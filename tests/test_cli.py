@@ -95,6 +95,17 @@ def test_a_command_on_a_sqlite_file_that_is_not_there_says_so_and_creates_nothin
     assert again.returncode == 1 and "no profile for user alice" in again.stderr, again.stderr
 
 
+def test_a_sqlite_url_with_options_names_its_file_and_a_missing_directory_is_said(tmp_path: Path) -> None:
+    env = {"REVERIE_DATABASE_URL": "sqlite:///r.db?timeout=30"}
+    assert run(["migrate"], env=env, cwd=tmp_path).returncode == 0
+    healthy = run(["health"], env=env, cwd=tmp_path)
+    assert healthy.returncode == 0, healthy.stderr
+    nowhere = run(["health"], env={"REVERIE_DATABASE_URL": f"sqlite:///{tmp_path}/nodir/r.db"})
+    assert_one_line_error(
+        nowhere, f"no database at {tmp_path}/nodir/r.db: its directory {tmp_path}/nodir does not exist"
+    )
+
+
 def test_a_pass_keeps_the_collector_off_what_the_process_loaded(tmp_path: Path) -> None:
     # The cyclic collector's full walks cover every object the process holds; a pass
     # over many users makes them often. `reverie run` moves what its start-up loaded
@@ -199,6 +210,19 @@ def test_a_payload_sent_by_the_command_line_and_by_sql_is_one_signal_whatever_it
         assert second.returncode == 0 and second.stdout.startswith("duplicate:"), second.stdout
         stored = conn.execute("SELECT payload::text FROM dream_signals ORDER BY id").fetchall()
     assert ["100.50" in stored[0][0], "0.10" in stored[1][0]] == [True, True], stored
+
+
+def test_the_payload_size_limit_counts_the_text_the_command_line_writes(pg_settings: Settings) -> None:
+    # The text is what is stored: a number's long digits count, however short Python's
+    # float of it would be.
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_MAX_PAYLOAD_BYTES": "2000"}
+    digits = "0." + "1" * 3000
+    event = {"action": "paid", "at": "2026-11-27T09:00:00Z", "attributes": {"amount": "AMOUNT"}}
+    text = json.dumps({"events": [event]}).replace('"AMOUNT"', digits)
+    refused = run(["enqueue", "activity", "--user", "u1", "--payload", "-"], env=env, stdin=text)
+    assert_one_line_error(refused, f"payload: is {len(text)} bytes; at most 2000 allowed")
+    listed = run(["signals", "list", "--json"], env=env)
+    assert listed.returncode == 0 and listed.stdout == "", listed.stdout
 
 
 @pytest.mark.parametrize(
@@ -642,6 +666,8 @@ def test_run_whose_metrics_cannot_be_written_after_the_pass_prints_its_summary_a
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(metrics_textfile, "write_textfile", full)
+    # In this process (pytest's), not a command's own: its heap stays the collector's.
+    monkeypatch.setattr("worker.heap.freeze_loaded", lambda: None)
     seed(pg_settings, [entry("u1", "city", "Lisbon")])
     monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
     get_settings.cache_clear()
@@ -913,13 +939,14 @@ def test_a_connection_option_the_driver_refuses_is_named_in_one_line(query: str,
     [("Bobby-the-secret", "is not valid JSON"), ("[" * 1100 + "]" * 1100, "is nested deeper than Reverie reads")],
     ids=["not-json", "too-deep"],
 )
-def test_a_value_sqlite_holds_that_is_not_json_fails_its_users_run_in_words_and_is_left_as_it_is(
+def test_a_value_sqlite_holds_that_is_not_json_fails_its_users_work_in_words_and_is_left_as_it_is(
     tmp_path: Path, stored: str, why: str
 ) -> None:
     # SQLite does not check its JSON column: a host may write text that is not JSON. The
     # user's run fails, saying so (never quoting the value), nothing of theirs is
-    # rewritten or archived, the other users are dreamed, and once the row is mended
-    # the user is dreamed again.
+    # rewritten or archived, the other users are dreamed; a signal for that user fails
+    # and waits for another attempt (not dead at once); once the row is mended, the
+    # user is dreamed and the signal done.
     import sqlite3
 
     db = tmp_path / "r.db"
@@ -930,22 +957,46 @@ def test_a_value_sqlite_holds_that_is_not_json_fails_its_users_run_in_words_and_
             "INSERT INTO usermemories (id, user_id, key, value, visibility) VALUES (?, ?, ?, ?, 'global')",
             [("b1", "bob", "name", stored), ("b2", "bob", "city", '"Paris"'), ("a1", "alice", "city", '"Rome"')],
         )
+    said = '{"conversation_id": "c1", "messages": [{"role": "user", "content": "My favorite color is blue"}]}'
+    assert run(["enqueue", "session_end", "--user", "bob", "--payload", "-"], env=env, stdin=said).returncode == 0
     done = run(["run", "--all", "--json"], env=env)
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
-    assert (report["users_processed"], report["users_failed"]) == (1, 1), report
-    assert len(report["errors"]) == 1 and f"a value in the memory table {why}" in report["errors"][0], report
-    assert "json_valid" in report["errors"][0] and "Bobby" not in done.stdout + done.stderr
+    assert (report["users_processed"], report["users_failed"], report["signals_failed"]) == (1, 1, 1), report
+    assert len(report["errors"]) == 1 and f"a value in the database {why}" in report["errors"][0], report
+    assert ("json_valid" in report["errors"][0]) == (why == "is not valid JSON")
+    assert "Bobby" not in done.stdout + done.stderr
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT value FROM usermemories WHERE id = 'b1'").fetchone() == (stored,)
         assert conn.execute("SELECT count(*) FROM dream_archive").fetchone() == (0,)
+        status, last_error = conn.execute("SELECT status, last_error FROM dream_signals").fetchone()
+        assert status == "failed" and f"a value in the database {why}" in last_error, (status, last_error)
         if why == "is not valid JSON":
             # The query the message gives finds the row.
             found = conn.execute("SELECT id, user_id, key FROM usermemories WHERE NOT json_valid(value)").fetchall()
             assert found == [("b1", "bob", "name")]
         conn.execute("UPDATE usermemories SET value = '\"Bobby\"' WHERE id = 'b1'")
+        # The signal's next attempt is due now, not after its back-off.
+        conn.execute("UPDATE dream_signals SET available_at = CURRENT_TIMESTAMP")
     again = run(["run", "--user", "bob", "--json"], env=env)
     assert again.returncode == 0, again.stdout + again.stderr
     assert json.loads(again.stdout)["users_processed"] == 1
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT status FROM dream_signals").fetchone() == ("done",)
     shown = run(["profile", "bob"], env=env)
-    assert shown.returncode == 0 and "- name: Bobby" in shown.stdout, shown.stdout + shown.stderr
+    assert shown.returncode == 0 and "- name: Bobby" in shown.stdout and "blue" in shown.stdout, shown.stdout
+
+
+def test_a_jsonb_value_nested_deeper_than_python_reads_fails_its_users_run_in_words(pg_settings: Settings) -> None:
+    import psycopg
+
+    deep = "[" * 1100 + "]" * 1100
+    with psycopg.connect(pg_settings.database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO usermemories (user_id, key, value, visibility) VALUES ('bob', 'deep', %s::jsonb, 'global')",
+            (deep,),
+        )
+    done = run(["run", "--user", "bob", "--json"], env={"REVERIE_DATABASE_URL": pg_settings.database_url})
+    assert done.returncode == 1, done.stderr
+    errors = json.loads(done.stdout)["errors"]
+    assert len(errors) == 1 and "a value in the database is nested deeper than Reverie reads" in errors[0], errors

@@ -69,16 +69,16 @@ class PermanentError(ReverieError):
     """Not worth retrying: bad credentials, an unknown or unpriced model."""
 
 
-class StoredValueUnreadable(PermanentError):
-    """A value in the memory table is not JSON Reverie can read (SQLite does not check
-    its ``JSON`` column): the user's dreams wait until that row is mended or removed,
+class StoredValueUnreadable(ReverieError):
+    """A JSON value in the database that Reverie cannot read: text that is not JSON
+    (SQLite does not check a ``JSON`` column), or a value nested deeper than Python
+    reads. The work that reads it fails, and is tried again as any failed work is,
     rather than rewrite or archive a value other than the one stored."""
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, hint: str = "") -> None:
         super().__init__(
-            f"a value in the memory table {why}: this user's dreams wait until that row is "
-            "mended or removed (`SELECT id, user_id, key FROM <memory table> WHERE NOT json_valid(value)` "
-            "finds such rows)"
+            f"a value in the database {why} (a host's row in the memory table, most likely); "
+            f"this user's work waits until that row is mended or removed{hint}"
         )
 
 

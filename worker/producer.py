@@ -7,6 +7,7 @@ transaction (a transactional outbox); without it, in a transaction of its own.
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from sqlalchemy.orm import Session
 from store import signals as signal_store
 from store.db import session_scope
 from store.notices import producer_wakes
+from worker.errors import InvalidSignal
 from worker.payloads import default_idempotency_key, validate_signal
 from worker.settings import Settings, get_settings
 
@@ -39,18 +41,75 @@ def enqueue_signal(
     idempotency_key: str | None = None,
     session: Session | None = None,
     settings: Settings | None = None,
-    payload_text: str | None = None,
 ) -> Enqueued:
     """Validate and queue a signal. Raises :class:`~worker.errors.InvalidSignal`.
 
     A second call with the same idempotency key (by default a hash of kind, user and
-    canonical payload) writes nothing and returns ``created=False``. ``payload_text``:
-    the JSON text ``payload`` was read from, if any (``reverie enqueue``'s file); on
-    PostgreSQL it is written as it is, so its numbers keep their digits (``100.50``)
-    and its default key is the one the same text sent by SQL gets.
+    canonical payload) writes nothing and returns ``created=False``.
     """
+    return _enqueue(
+        kind,
+        user_id,
+        payload,
+        None,
+        agent_id=agent_id,
+        idempotency_key=idempotency_key,
+        session=session,
+        settings=settings,
+    )
+
+
+def enqueue_signal_json(
+    kind: str,
+    user_id: str,
+    payload_json: str,
+    *,
+    agent_id: str | None = None,
+    idempotency_key: str | None = None,
+    session: Session | None = None,
+    settings: Settings | None = None,
+) -> Enqueued:
+    """:func:`enqueue_signal` of a payload given as JSON text (a file's, a request's
+    body), as ``reverie enqueue`` sends it. On PostgreSQL the text itself is written, as
+    a producer's own ``INSERT`` writes it: its numbers keep their digits (``100.50``),
+    and its default key is the one the same text sent by SQL gets. Its size is that
+    text's."""
+    try:
+        payload = json.loads(payload_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidSignal(
+            "payload", f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise InvalidSignal("payload", "is nested too deeply") from None
+    return _enqueue(
+        kind,
+        user_id,
+        payload,
+        payload_json,
+        agent_id=agent_id,
+        idempotency_key=idempotency_key,
+        session=session,
+        settings=settings,
+    )
+
+
+def _enqueue(
+    kind: str,
+    user_id: str,
+    payload: Any,
+    payload_text: str | None,
+    *,
+    agent_id: str | None,
+    idempotency_key: str | None,
+    session: Session | None,
+    settings: Settings | None,
+) -> Enqueued:
     settings = settings or get_settings()
     validate_signal(kind, user_id, payload, settings, agent_id=agent_id, idempotency_key=idempotency_key)
+    if payload_text is not None and (size := len(payload_text.encode("utf-8"))) > settings.max_payload_bytes:
+        # What is written is the text: its own size counts (long digits of numbers included).
+        raise InvalidSignal("payload", f"is {size} bytes; at most {settings.max_payload_bytes} allowed")
     fallback = default_idempotency_key(kind, user_id, payload)
 
     def write(target: Session) -> Enqueued:

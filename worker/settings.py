@@ -278,10 +278,14 @@ class Settings(BaseSettings):
         return self.database_url.startswith("sqlite")
 
     def sqlite_path(self) -> str:
-        """The absolute path of the SQLite file (``:memory:`` for an in-memory database)."""
+        """The absolute path of the SQLite file (``:memory:`` for an in-memory database;
+        a ``file:`` URI as it is, where the URL says ``uri=true``)."""
         location = self.database_url.split(":///", 1)[1] if ":///" in self.database_url else ""
+        location, _, query = location.partition("?")
         if location in ("", ":memory:"):
             return ":memory:"
+        if "uri=true" in query.lower().split("&"):
+            return location
         return str(Path(location).resolve())
 
 

@@ -98,15 +98,15 @@ def _option_refused(orig: object) -> str | None:
     return first.removeprefix("connection is bad: ")
 
 
-def load_settings(*, creates_database: bool = False) -> Settings:
+def load_settings(*, database_must_exist: bool = True) -> Settings:
     """The process settings; a bad value becomes one line, not a pydantic dump.
 
     With no database configured, say which SQLite file is used (on stderr, so ``--json``
     output stays clean): a silently created ``./reverie.db`` looks like an empty
-    production database. A SQLite file that is not there is created by the command that
-    ``creates_database`` (``reverie migrate``) only: any other command says so and exits
-    1, instead of leaving an empty file behind. Logging is set up here, to stderr, for
-    every command.
+    production database. Unless ``database_must_exist`` is False (``reverie migrate``,
+    which creates it, and the services, which wait for their database), a SQLite file
+    that is not there is said so, exit 1, instead of an empty file left behind. Logging
+    is set up here, to stderr, for every command.
     """
     from worker.logging_setup import configure_logging
     from worker.settings import get_settings
@@ -120,8 +120,10 @@ def load_settings(*, creates_database: bool = False) -> Settings:
             f"reverie: REVERIE_DATABASE_URL is not set; using the SQLite file {settings.sqlite_path()}",
             file=sys.stderr,
         )
-    if settings.is_sqlite and not creates_database:
+    if settings.is_sqlite and database_must_exist:
         path = settings.sqlite_path()
-        if path != ":memory:" and not Path(path).exists():
-            fail(f"no database at {path}: `reverie migrate` creates it (or set REVERIE_DATABASE_URL to yours)")
+        if path != ":memory:" and not path.startswith("file:") and not Path(path).exists():
+            folder = Path(path).parent
+            why = "`reverie migrate` creates it" if folder.is_dir() else f"its directory {folder} does not exist"
+            fail(f"no database at {path}: {why} (or set REVERIE_DATABASE_URL to yours)")
     return settings

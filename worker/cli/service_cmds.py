@@ -47,10 +47,11 @@ def worker(
     `--` go to Celery: `reverie worker -- --pool solo`."""
     from worker.metrics_server import prepare_multiprocess_dir
 
-    settings = load_settings()
     unknown = set(queues.split(",")) - set(ALL_QUEUES.split(","))
     if unknown:
         fail(f"unknown queue(s) {', '.join(sorted(unknown))}; expected some of {ALL_QUEUES}", code=2)
+    # A service waits for its database (it says so as it starts) rather than refuse to start.
+    settings = load_settings(database_must_exist=False)
     # The children's metrics are summed from files; the directory must be named before
     # anything in the worker imports prometheus_client.
     prepare_multiprocess_dir()
@@ -75,7 +76,7 @@ def beat(
     loglevel: Annotated[str | None, typer.Option("--loglevel", "-l", help="Default REVERIE_LOG_LEVEL.")] = None,
 ) -> None:
     """Run Celery beat (the same as `celery -A worker.app beat`). Run exactly one."""
-    settings = load_settings()
+    settings = load_settings(database_must_exist=False)
     options = ["--loglevel", loglevel or settings.log_level]
     if schedule is not None:
         options += ["--schedule", schedule]

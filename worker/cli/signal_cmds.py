@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,8 +21,8 @@ app.add_typer(signals_app, name="signals")
 STATUSES = ("pending", "processing", "done", "rejected", "failed", "dead")
 
 
-def _read_payload(source: str) -> tuple[Any, str]:
-    """The payload and the JSON text it was read from."""
+def _read_payload(source: str) -> str:
+    """The payload's JSON text, once it is known to be JSON."""
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text("utf-8")
     except OSError as exc:
@@ -30,11 +30,12 @@ def _read_payload(source: str) -> tuple[Any, str]:
     except UnicodeDecodeError:
         fail(f"payload {source} is not UTF-8 text")
     try:
-        return json.loads(text), text
+        json.loads(text)
     except json.JSONDecodeError as exc:
         fail(f"payload is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
     except RecursionError:
         fail("payload is nested too deeply")
+    return text
 
 
 @app.command()
@@ -49,14 +50,12 @@ def enqueue(
 ) -> None:
     """Queue one signal for one user (session_end, feedback or activity)."""
     from worker.payloads import check_kind
-    from worker.producer import enqueue_signal
+    from worker.producer import enqueue_signal_json
 
     check_kind(kind)  # before reading stdin, so a typo fails at once
-    body, text = _read_payload(payload)
+    text = _read_payload(payload)
     settings = load_settings()
-    result = enqueue_signal(
-        kind, user, body, agent_id=agent, idempotency_key=idempotency_key, settings=settings, payload_text=text
-    )
+    result = enqueue_signal_json(kind, user, text, agent_id=agent, idempotency_key=idempotency_key, settings=settings)
     if result.created:
         print(f"enqueued signal {result.signal_id} ({kind}), idempotency key {result.idempotency_key}")
     else:

@@ -17,7 +17,7 @@ def migrate() -> None:
     from store.db import safe_url
     from store.migrate import upgrade
 
-    settings = load_settings(creates_database=True)
+    settings = load_settings(database_must_exist=False)
     before, after = upgrade(settings)  # checks the connection (and the server) first
     where = safe_url(settings.database_url)
     if before == after:
