@@ -279,3 +279,21 @@ def test_real_nul_bytes_never_get_in(pg_settings: Settings) -> None:
             "INSERT INTO dream_signals (kind, user_id, payload) VALUES ('session_end', 'u', %s::jsonb)",
             ('{"conversation_id": "c\\u0000", "messages": []}',),
         )
+
+
+@pytest.mark.parametrize("number", ["Infinity", "-Infinity", "1e400"])
+def test_an_infinite_number_is_refused_by_name_before_anything_is_written(pg_settings: Settings, number: str) -> None:
+    # Python reads all three as a float infinity; PostgreSQL refuses two of them and
+    # would keep the third as 401 digits: the producer refuses them all, naming the field.
+    from worker.errors import InvalidSignal
+    from worker.producer import enqueue_signal, enqueue_signal_json
+
+    text = '{"events": [{"action": "paid", "at": "2026-11-27T09:00:00Z", "attributes": {"amount": %s}}]}'
+    with pytest.raises(InvalidSignal) as raised:
+        enqueue_signal_json("activity", "u1", text.replace("%s", number), settings=pg_settings)
+    assert raised.value.field == "payload.events[0].attributes.amount"
+    assert "infinite or beyond a double's range" in str(raised.value)
+    with pytest.raises(InvalidSignal):
+        enqueue_signal("activity", "u1", json.loads(text.replace("%s", number)), settings=pg_settings)
+    with psycopg.connect(pg_settings.database_url.replace("+psycopg", "")) as conn:
+        assert conn.execute("SELECT count(*) FROM dream_signals").fetchone() == (0,)

@@ -308,3 +308,6 @@ def _check_depth_and_nul(value: Any, path: str, depth: int) -> None:
             _check_depth_and_nul(item, f"{path}[{i}]", depth + 1)
     elif isinstance(value, float) and math.isnan(value):
         raise InvalidSignal(path, "is NaN, which JSON does not allow")
+    elif isinstance(value, float) and math.isinf(value):
+        # ``Infinity``, or a number past a double's range (1e400) that Python reads as it.
+        raise InvalidSignal(path, "is infinite or beyond a double's range (about 1.8e308), which Reverie does not take")
