@@ -33,8 +33,14 @@ def periods(settings: Settings) -> dict[str, float]:
     }
 
 
-def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
-    """The ``beat_schedule`` setting for ``settings``."""
+def beat_schedule(settings: Settings, *, signals_queue: str) -> dict[str, dict[str, Any]]:
+    """The ``beat_schedule`` setting for ``settings``.
+
+    The queue gauges are refreshed twice over: on the housekeeping queue (the task's
+    own) and on ``signals_queue``. Each worker serves the gauges its own processes set,
+    and a worker that takes only signals (as deployed) would otherwise keep the values
+    it read at start: a dead signal retried and done would still count, for every
+    scrape, until that worker restarts."""
     return {
         "dispatch-due-users": {
             "task": "schedules.dispatch",
@@ -65,5 +71,10 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
             "task": "metrics.refresh_pending",
             "schedule": PENDING_GAUGE_EVERY_SECONDS,
             "options": {"expires": PENDING_GAUGE_EVERY_SECONDS},
+        },
+        "refresh-pending-gauge-on-signals": {
+            "task": "metrics.refresh_pending",
+            "schedule": PENDING_GAUGE_EVERY_SECONDS,
+            "options": {"expires": PENDING_GAUGE_EVERY_SECONDS, "queue": signals_queue},
         },
     }

@@ -265,3 +265,56 @@ def wait_for_scrape(port: int, server: subprocess.Popen[bytes], processes: Proce
         last_error = f"targets={targets} up={up} done={done} users={users}"
         time.sleep(0.3)
     pytest.fail(f"prometheus never scraped the worker ({last_error}): {processes.logs()}")
+
+
+def _gauge(port: int, name: str, kind: str) -> float | None:
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in page.splitlines():
+        if line.startswith(f'{name}{{kind="{kind}"}} '):
+            return float(line.split()[-1])
+    return None
+
+
+def test_each_worker_of_the_split_layout_keeps_its_queue_gauges_fresh(
+    pg_settings: Settings, processes: Processes, tmp_path: Path
+) -> None:
+    # As deployed: one worker takes the signals, another the dreams and housekeeping,
+    # each serving its own page, and beat. A dead signal retried and done must leave
+    # both pages' dead gauge (the alert fires on any of them), not only the page of the
+    # worker that runs housekeeping: the signals worker once kept its start-up values.
+    url = pg_settings.database_url.replace("+psycopg", "")
+    with psycopg.connect(url, autocommit=True) as conn:
+        (signal_id,) = conn.execute(
+            "INSERT INTO dream_signals (kind, user_id, payload, status, attempts, last_error) VALUES "
+            "('activity', 'u1', '{\"events\": []}', 'dead', 5, 'out of attempts') RETURNING id"
+        ).fetchone() or (None,)
+    ports = {"signals": free_port(), "dreams,housekeeping": free_port()}
+    base = {
+        **os.environ,
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_BROKER_URL": REDIS_DB_URL,
+        "REVERIE_LOG_FORMAT": "json",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+    for index, (queues, port) in enumerate(ports.items()):
+        env = {**base, "REVERIE_METRICS_PORT": str(port), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / f"m{index}")}
+        argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-Q", queues, "-c", "1"]
+        argv += ["-n", f"split{index}@%h", "--without-gossip", "--without-mingle", "--loglevel", "INFO"]
+        processes.start(f"worker-{index}", argv, env)
+    beat = [sys.executable, "-m", "celery", "-A", "worker.app", "beat", "-s", str(tmp_path / "beat-state")]
+    processes.start("beat", [*beat, "--loglevel", "INFO"], base)
+
+    def dead_on(port: int) -> float | None:
+        try:
+            return _gauge(port, "dream_signals_dead", "activity")
+        except OSError:
+            return None
+
+    wait_until(
+        "both pages count the dead signal", lambda: all(dead_on(p) == 1.0 for p in ports.values()), 60, processes
+    )
+    with psycopg.connect(url, autocommit=True) as conn:
+        # What `reverie signals retry` and a worker's run of it come to.
+        conn.execute("UPDATE dream_signals SET status = 'done' WHERE id = %s", (signal_id,))
+    # Beat refreshes the gauges every 15 s, on each queue.
+    wait_until("both pages count none", lambda: all(dead_on(p) == 0.0 for p in ports.values()), 45, processes)

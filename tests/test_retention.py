@@ -163,7 +163,7 @@ def test_cron_pass_and_beat_both_purge(pg_settings: Settings) -> None:
     report = run_once(pg_settings)
     assert report.rows_purged == 7
     assert state(pg_settings)["archive"] == ["e1"]
-    entry = beat_schedule(pg_settings)["purge-expired"]
+    entry = beat_schedule(pg_settings, signals_queue="signals")["purge-expired"]
     assert (entry["task"], entry["schedule"]) == ("retention.purge", pg_settings.purge_interval_seconds)
 
 

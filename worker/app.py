@@ -100,7 +100,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_send_sent_event": True,
         "worker_concurrency": settings.worker_concurrency,
         "worker_hijack_root_logger": False,
-        "beat_schedule": beat_schedule(settings),
+        "beat_schedule": beat_schedule(settings, signals_queue=SIGNALS_QUEUE),
         "timezone": "UTC",
         "enable_utc": True,
     }
