@@ -1000,3 +1000,29 @@ def test_a_jsonb_value_nested_deeper_than_python_reads_fails_its_users_run_in_wo
     assert done.returncode == 1, done.stderr
     errors = json.loads(done.stdout)["errors"]
     assert len(errors) == 1 and "a value in the database is nested deeper than Reverie reads" in errors[0], errors
+
+
+def test_a_cron_pass_that_leaves_a_signal_dead_exits_1_and_says_so(pg_settings: Settings) -> None:
+    # An unpriced model is a permanent error: the signal is dead at once, and nothing
+    # tries it again until an operator does. A cron job must not look green.
+    import psycopg
+
+    with psycopg.connect(pg_settings.database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO dream_signals (kind, user_id, payload) VALUES ('session_end', 'u1', "
+            '\'{"conversation_id": "c1", "messages": [{"role": "user", "content": "My city is Rome"}]}\')'
+        )
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_LLM_MODEL": "acme/unknown-model-9"}
+    done = run(["run", "--json"], env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert json.loads(done.stdout)["signals_dead"] == 1
+    said = [line for line in done.stderr.splitlines() if line.startswith("reverie: ")]
+    assert said == [
+        "reverie: 1 signal(s) ended dead in this pass "
+        "(`reverie signals list --status dead` says why; `reverie signals retry` once mended)"
+    ], done.stderr
+    listed = run(["signals", "list", "--status", "dead", "--json"], env=env)
+    assert listed.returncode == 0 and "permanent model error" in listed.stdout, listed.stdout
+    # The next pass, with nothing new dead, is green again.
+    again = run(["run", "--json"], env=env)
+    assert again.returncode == 0, again.stderr

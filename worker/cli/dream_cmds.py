@@ -13,6 +13,7 @@ import typer
 from worker.cli.common import app, fail, load_settings
 
 if TYPE_CHECKING:
+    from schedules.cron import PassReport
     from worker.settings import Settings
 
 policy_app = typer.Typer(help="Per-agent dream policy (EDDI dreamConfig field names).", no_args_is_help=True)
@@ -79,18 +80,33 @@ def run(
         print(json.dumps(data, sort_keys=True), flush=True)
     else:
         _print_report(data)
+    # Before the metrics are written: a failure to write them ends the command.
+    needs_a_look = _say_what_needs_a_look(report)
+    if metrics_textfile is not None:
+        _write_metrics(settings, metrics_textfile)
+    if report.users_failed or needs_a_look:
+        raise typer.Exit(1)
+
+
+def _say_what_needs_a_look(report: PassReport) -> bool:
+    """One line on stderr for each thing of the pass nothing will mend on its own:
+    named users not dreamed, signals that ended dead. Whether there was any."""
     if report.users_unknown:
-        # Before the metrics are written: a failure to write them ends the command.
         named = ", ".join(report.users_unknown)
         print(
             f"reverie: not dreamed, no entries and no schedule for --user {named} "
             "(a user's first entries come from the application or a signal)",
             file=sys.stderr,
         )
-    if metrics_textfile is not None:
-        _write_metrics(settings, metrics_textfile)
-    if report.users_failed or report.users_unknown:
-        raise typer.Exit(1)
+    if report.signals_dead:
+        # Out of attempts, a permanent model error or a spent ceiling: none is tried again
+        # until someone looks, so a cron job must not look green.
+        print(
+            f"reverie: {report.signals_dead} signal(s) ended dead in this pass "
+            "(`reverie signals list --status dead` says why; `reverie signals retry` once mended)",
+            file=sys.stderr,
+        )
+    return bool(report.users_unknown or report.signals_dead)
 
 
 def _write_metrics(settings: Settings, path: Path) -> None:
