@@ -45,6 +45,7 @@ from worker.errors import (
     SchemaMissing,
     StoredValueUnreadable,
     TransientError,
+    describe,
     raised_at,
 )
 from worker.logs import get_logger, user_ref
@@ -292,7 +293,9 @@ def _guarded(settings: Settings, claim: Claimed, result: SignalResult, step: Cal
         # A row the database refuses, input no check foresaw, or a bug: one signal
         # must never stop the pass, and a bug must not be retried forever.
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
-        result.reason = f"internal error: {type(exc).__name__}"
+        # The database's own words where it refused (class, SQLSTATE, the constraint's
+        # name: never the message, which can quote the row); else the type and where.
+        result.reason = f"internal error: {describe(exc)}"[:500]
         log_detail = {"error": type(exc).__name__, "where": raised_at(exc)}
     _finish(settings, claim, result, refund=refund, wait_until=wait_until, **log_detail)
     return None

@@ -141,7 +141,7 @@ def test_unexpected_error_is_recorded_not_raised(pg_settings: Settings, monkeypa
     monkeypatch.setattr(llm, "complete", bug)
     sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
     assert process_pending(pg_settings).failed == 1
-    assert signal_row(pg_settings, sid).last_error == "internal error: RuntimeError"
+    assert signal_row(pg_settings, sid).last_error.startswith("internal error: RuntimeError at "), sid
 
 
 def test_crash_before_done_leaves_nothing_and_the_retry_applies_once(
@@ -283,7 +283,7 @@ def test_a_failing_signal_in_a_batch_costs_the_others_nothing(
     assert process_signal(pg_settings, sids[0]) == "done"
     statuses = [signal_row(pg_settings, sid).status for sid in sids]
     assert statuses == ["done", "failed", "done", "done"]
-    assert signal_row(pg_settings, sids[1]).last_error == "internal error: RuntimeError"
+    assert signal_row(pg_settings, sids[1]).last_error.startswith("internal error: RuntimeError at ")
     assert (memory_count(pg_settings), event_count(pg_settings)) == (3, 3)
 
 
@@ -441,3 +441,24 @@ def test_a_new_users_conversation_is_dreamed_once_after_the_dirty_delay_not_at_o
     settled = max(changed, other_changed) + delay + timedelta(seconds=1)
     assert sorted(claim(settled)) == ["newcomer", "other"]
     assert claim(settled + timedelta(seconds=1)) == []
+
+
+def test_a_row_the_database_refuses_names_its_constraint_and_never_its_value(pg_settings: Settings) -> None:
+    # A host's own rule on its memory table: the signal fails (and is retried), and its
+    # last error says which rule, as the database names it, without the row it quoted.
+    from sqlalchemy import text
+
+    from store.db import session_scope
+
+    with session_scope(pg_settings) as session:
+        session.execute(text("ALTER TABLE usermemories ADD CONSTRAINT host_rule CHECK (key <> 'home_city')"))
+    try:
+        sid = enqueue_signal("session_end", "u1", said("My home city is Reykjavik"), settings=pg_settings).signal_id
+        assert process_pending(pg_settings).failed == 1
+        row = signal_row(pg_settings, sid)
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(text("ALTER TABLE usermemories DROP CONSTRAINT host_rule"))
+    assert row.status == "failed"
+    assert "IntegrityError" in row.last_error and "constraint host_rule" in row.last_error, row.last_error
+    assert "23514" in row.last_error and "Reykjavik" not in row.last_error
