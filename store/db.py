@@ -202,7 +202,8 @@ def read_json(raw: str | bytes) -> Any:
     except ValueError:
         raise StoredValueUnreadable(
             "is not valid JSON",
-            " (`SELECT id, user_id, key FROM usermemories WHERE NOT json_valid(value)` finds such rows)",
+            " (on SQLite, `SELECT id, user_id, key FROM usermemories WHERE NOT json_valid(value)`"
+            " finds such rows; the memory table may have another name: REVERIE_MEMORY_TABLE)",
         ) from None
 
 

@@ -43,7 +43,6 @@ from worker.errors import (
     InvalidSignal,
     PermanentError,
     SchemaMissing,
-    StoredValueUnreadable,
     TransientError,
     describe,
     raised_at,
@@ -278,20 +277,15 @@ def _guarded(settings: Settings, claim: Claimed, result: SignalResult, step: Cal
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
         result.reason = f"transient error: {exc}"
         log_detail = {"error": type(exc).__name__}
-    except StoredValueUnreadable as exc:
-        # A host's row the signal's work reads, not the signal: tried again as any
-        # failed work is (and after its last attempt, retried by hand once it is mended).
-        result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
-        result.reason = str(exc)
-        log_detail = {"error": type(exc).__name__}
     except PermanentError as exc:
         result.outcome, result.reason = "dead", f"permanent model error (fix the setting, then retry): {exc}"
         log_detail = {"error": type(exc).__name__}
     except (DatabaseUnavailable, SchemaMissing):
         raise
     except Exception as exc:
-        # A row the database refuses, input no check foresaw, or a bug: one signal
-        # must never stop the pass, and a bug must not be retried forever.
+        # A row the database refuses, a stored value it cannot read, input no check
+        # foresaw, or a bug: one signal must never stop the pass, and a bug must not be
+        # retried forever.
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
         # The database's own words where it refused (class, SQLSTATE, the constraint's
         # name: never the message, which can quote the row); else the type and where.
