@@ -42,6 +42,7 @@ from worker.errors import (
     DatabaseUnavailable,
     InvalidSignal,
     PermanentError,
+    ReverieError,
     SchemaMissing,
     TransientError,
     describe,
@@ -289,7 +290,9 @@ def _guarded(settings: Settings, claim: Claimed, result: SignalResult, step: Cal
         result.outcome = "dead" if claim.attempts >= settings.signal_max_attempts else "failed"
         # The database's own words where it refused (class, SQLSTATE, the constraint's
         # name: never the message, which can quote the row); else the type and where.
-        result.reason = f"internal error: {describe(exc)}"[:500]
+        # Reverie's own errors (a stored value it cannot read) say what is wrong themselves.
+        said = describe(exc)
+        result.reason = (said if isinstance(exc, ReverieError) else f"internal error: {said}")[:500]
         log_detail = {"error": type(exc).__name__, "where": raised_at(exc)}
     _finish(settings, claim, result, refund=refund, wait_until=wait_until, **log_detail)
     return None

@@ -254,6 +254,11 @@ def test_the_payload_size_limit_counts_the_text_the_command_line_writes(pg_setti
             ("NUL",),
         ),
         (["enqueue", "activity", "--user", "u", "--payload", "/no/such/file.json"], None, ("cannot read",)),
+        (
+            ["enqueue", "activity", "--user", "u", "--payload", "-"],
+            '{"events": [], "n": ' + "1" * 5000 + "}",
+            ("payload: is not JSON Reverie reads", "4300"),
+        ),
     ],
 )
 def test_enqueue_bad_input_is_one_line_and_writes_nothing(
@@ -971,6 +976,7 @@ def test_a_value_sqlite_holds_that_is_not_json_fails_its_users_work_in_words_and
         assert conn.execute("SELECT count(*) FROM dream_archive").fetchone() == (0,)
         status, last_error = conn.execute("SELECT status, last_error FROM dream_signals").fetchone()
         assert status == "failed" and f"a value in the database {why}" in last_error, (status, last_error)
+        assert last_error.startswith("a value in the database"), last_error  # the host's row, not a bug
         if why == "is not valid JSON":
             # The query the message gives finds the row.
             found = conn.execute("SELECT id, user_id, key FROM usermemories WHERE NOT json_valid(value)").fetchall()
@@ -1026,3 +1032,18 @@ def test_a_cron_pass_that_leaves_a_signal_dead_exits_1_and_says_so(pg_settings: 
     # The next pass, with nothing new dead, is green again.
     again = run(["run", "--json"], env=env)
     assert again.returncode == 0, again.stderr
+
+
+def test_a_payload_on_standard_input_that_is_not_utf8_is_said_so(pg_settings: Settings) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    env["REVERIE_DATABASE_URL"] = pg_settings.database_url
+    done = subprocess.run(
+        [*REVERIE, "enqueue", "activity", "--user", "u", "--payload", "-"],
+        input=b'{"events": [], "note": "caf\xe9"}',
+        capture_output=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.decode().strip().splitlines() == ["reverie: error: payload - is not UTF-8 text"]

@@ -80,6 +80,10 @@ def enqueue_signal_json(
         raise InvalidSignal(
             "payload", f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+    except ValueError as exc:
+        # What Python refuses to read in valid JSON: a whole number of more than 4,300
+        # digits (its message names the limit, not the number).
+        raise InvalidSignal("payload", f"is not JSON Reverie reads: {exc}") from None
     except RecursionError:
         raise InvalidSignal("payload", "is nested too deeply") from None
     return _enqueue(

@@ -24,7 +24,8 @@ STATUSES = ("pending", "processing", "done", "rejected", "failed", "dead")
 def _read_payload(source: str) -> str:
     """The payload's text (whether it is JSON is for the producer to say)."""
     try:
-        return sys.stdin.read() if source == "-" else Path(source).read_text("utf-8")
+        raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
+        return raw.decode("utf-8")
     except OSError as exc:
         fail(f"cannot read payload file {source}: {exc.strerror}")
     except UnicodeDecodeError:
