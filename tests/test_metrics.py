@@ -255,6 +255,100 @@ def test_dead_children_live_gauges_are_dropped(tmp_path: Path) -> None:
     assert out.stdout.split() == ["2", "True", "True"], out.stderr
 
 
+def test_a_worker_removes_the_metrics_directory_it_made_and_those_of_workers_killed_outright(
+    pg_settings: Settings, redis_url: str, tmp_path: Path
+) -> None:
+    """``reverie worker`` with no ``PROMETHEUS_MULTIPROC_DIR`` makes its own directory
+    under the temp dir; stopped (SIGTERM), it leaves none behind. One that a worker
+    killed outright left is removed at the next start; a live worker's, a directory
+    made on another host, and one holding a file of someone else's are kept."""
+    import signal
+    import socket
+    import time
+
+    from tests.processes import free_port
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    def made(pid: int, host: str = socket.gethostname(), extra: str | None = None) -> Path:
+        directory = temp / f"reverie-metrics-{pid}"
+        directory.mkdir()
+        (directory / "reverie-owner").write_text(host + "\n")
+        (directory / f"counter_{pid}.db").write_bytes(b"\0" * 64)
+        if extra:
+            (directory / extra).write_text("mine")
+        return directory
+
+    abandoned = made(gone.pid)
+    live = made(os.getpid())  # this test's process: alive
+    elsewhere = temp / "reverie-metrics-1"
+    elsewhere.mkdir()  # no owner file (as an older version left it, or someone's own): kept
+    other_host = made(gone.pid + 1_000_000, host="another-host")
+    foreign = made(gone.pid + 2_000_000, extra="notes.txt")
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(
+        TMPDIR=str(temp),
+        REVERIE_DATABASE_URL=pg_settings.database_url,
+        REVERIE_BROKER_URL=redis_url,
+        REVERIE_METRICS_PORT=str(free_port()),
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+    )
+    reverie = str(Path(sys.executable).parent / "reverie")
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [reverie, "worker", "-c", "1"],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        own = temp / f"reverie-metrics-{worker.pid}"
+        deadline = time.monotonic() + 90
+        while "ready." not in log.read_text(errors="replace"):
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        assert own.is_dir() and any(own.glob("*.db")), sorted(p.name for p in temp.iterdir())
+        assert not abandoned.exists()
+        for kept in (live, elsewhere, other_host, foreign):
+            assert kept.exists(), kept
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=10)
+    assert not own.exists(), sorted(p.name for p in own.iterdir())
+    left = sorted(p.name for p in temp.glob("reverie-metrics-*"))
+    assert left == sorted(p.name for p in (live, elsewhere, other_host, foreign))
+
+
+def test_a_metrics_directory_the_operator_names_is_never_removed(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from pathlib import Path
+        from worker.metrics_server import prepare_multiprocess_dir, remove_own_dir
+        prepare_multiprocess_dir()
+        from prometheus_client import Counter
+        Counter("probe", "probe").inc()
+        print(remove_own_dir())
+        """
+    )
+    named = tmp_path / "named"
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(PROMETHEUS_MULTIPROC_DIR=str(named), TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
+    assert out.stdout.split() == ["False"], out.stderr
+    assert any(named.glob("counter_*.db"))
+
+
 def test_textfile_has_every_family_and_only_reverie_families(tmp_path: Path) -> None:
     target = tmp_path / "reverie.prom"
     write_textfile(target)

@@ -184,6 +184,9 @@ def _worker_shutdown(**_: Any) -> None:
     if _server is not None:
         _server.close()
         _server = None
+    # After the pool has stopped: no child writes its values any more.
+    if metrics_server.remove_own_dir():
+        log.info("metrics directory removed")
 
 
 def _worker_process_init(**_: Any) -> None:

@@ -54,11 +54,76 @@ def prepare_multiprocess_dir(directory: Path | None = None) -> Path:
             f"prometheus_client was imported before {ENV_VAR} was set; "
             "metrics of worker children would be lost (start the worker with `reverie worker`)"
         )
-    chosen = directory or current or Path(tempfile.gettempdir()) / f"reverie-metrics-{os.getpid()}"
+    chosen = directory or current
+    if chosen is None:
+        # Reverie's own directory, named for this process (which becomes the worker:
+        # `reverie worker` execs Celery), removed when the worker stops
+        # (:func:`remove_own_dir`); those of workers killed outright go now.
+        remove_abandoned_dirs()
+        chosen = _own_dir(os.getpid())
+        chosen.mkdir(parents=True, exist_ok=True)
+        (chosen / OWNER_FILE).write_text(_host() + "\n", "utf-8")
     chosen.mkdir(parents=True, exist_ok=True)
     wipe_multiprocess_dir(chosen)
     os.environ[ENV_VAR] = str(chosen)
     return chosen
+
+
+#: In a metrics directory Reverie made (and will remove), the host it was made on.
+OWNER_FILE = "reverie-owner"
+_OWN_DIR = re.compile(r"^reverie-metrics-(\d+)$")
+
+
+def _own_dir(pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"reverie-metrics-{pid}"
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _is_own(directory: Path) -> bool:
+    """Whether Reverie made ``directory`` on this host and it holds nothing but metrics files."""
+    try:
+        if (directory / OWNER_FILE).read_text("utf-8").strip() != _host():
+            return False
+        return all(p.name == OWNER_FILE or (p.is_file() and p.suffix == ".db") for p in directory.iterdir())
+    except OSError:
+        return False
+
+
+def remove_own_dir() -> bool:
+    """Remove this process's metrics directory if Reverie made it (a worker that stops);
+    a directory the operator named is left as it is. Whether one was removed."""
+    import shutil
+
+    directory = multiprocess_dir()
+    if directory is None or directory != _own_dir(os.getpid()) or not _is_own(directory):
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return not directory.exists()
+
+
+def remove_abandoned_dirs() -> list[Path]:
+    """Remove the metrics directories Reverie made on this host for workers that no
+    longer run (killed outright: they never removed their own); returns them."""
+    import shutil
+
+    removed: list[Path] = []
+    try:
+        candidates = list(Path(tempfile.gettempdir()).iterdir())
+    except OSError:
+        return removed
+    for path in candidates:
+        match = _OWN_DIR.match(path.name)
+        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+            continue
+        if path.is_dir() and not path.is_symlink() and _is_own(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def wipe_multiprocess_dir(directory: Path, *, keep_pid: int | None = None) -> int:
