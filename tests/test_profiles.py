@@ -310,6 +310,25 @@ def test_cli_profile_json_and_unknown_user(pg_settings: Settings) -> None:
         assert refused.returncode == 2 and "must not be empty" in refused.stderr, refused.stderr
 
 
+def test_cli_says_why_a_built_profile_is_empty_and_prints_nothing_on_stdout(pg_settings: Settings) -> None:
+    seed(pg_settings, [entry("u3", "editor", "vim", visibility="self", agent="agent-a")])
+    assert _cli(["run", "--user", "u3"], pg_settings).returncode == 0
+    cases = {
+        ("profile", "u3"): "user u3's profile is empty: it shows the shared entries only",
+        ("profile", "u3", "--agent", "agent-b"): "user u3's profile for agent agent-b is empty: agent agent-b may see",
+        ("profile", "u3", "--agent", "agent-a", "--budget", "0"): "none of its 1 entries fits in 0 tokens",
+    }
+    for argv, words in cases.items():
+        shown = _cli(list(argv), pg_settings)
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout == ""
+        lines = shown.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("reverie: ") and words in lines[0], (argv, shown.stderr)
+        assert "vim" not in shown.stderr
+    full = _cli(["profile", "u3", "--agent", "agent-a"], pg_settings)
+    assert "vim" in full.stdout and full.stderr == ""
+
+
 @pytest.mark.parametrize(
     ("budget", "error", "words"),
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated
 
 import typer
@@ -26,7 +27,8 @@ def profile(
     """The user's prompt-ready memory as an agent sees it, under a token budget.
 
     A user with no profile yet prints one line saying so (exit 1); with --json, an
-    empty profile (built_at null, exit 1).
+    empty profile (built_at null, exit 1). A built profile with nothing in it prints
+    nothing, and a line on stderr saying why (exit 0).
     """
     from worker.errors import InvalidSignal
     from worker.payloads import check_identifier
@@ -58,3 +60,18 @@ def profile(
             f"(`reverie run --user {user}` dreams them now)"
         )
     print(found.text, end="")
+    if not found.text:
+        # Nothing for a prompt (standard output stays empty, as a pipe wants it): why, on stderr.
+        print(f"reverie: {_why_empty(user, agent, found.entries_left_out, found.budget)}", file=sys.stderr)
+
+
+def _why_empty(user: str, agent: str | None, left_out: int, budget: int) -> str:
+    whose = f"user {user}'s profile" + (f" for agent {agent}" if agent else "")
+    if left_out:
+        return f"{whose} is empty: none of its {left_out} entries fits in {budget} tokens (--budget sets another)"
+    if agent:
+        return f"{whose} is empty: agent {agent} may see no entry of this user"
+    return (
+        f"{whose} is empty: it shows the shared entries only (global, and self with no owner), and there are none "
+        "(--agent A shows what agent A may see)"
+    )
