@@ -458,7 +458,8 @@ def _finish(
         signal_id=claim.signal_id,
         kind=_kind_label(claim.kind),
         user=user_ref(claim.user_id, settings.log_hash_key),
-        attempts=claim.attempts,
+        # As the row has it: an attempt the budget refused is given back.
+        attempts=max(claim.attempts - 1, 0) if refund else claim.attempts,
         **log_detail,
     )
     return result

@@ -356,10 +356,14 @@ def test_a_signal_stops_at_its_own_ceiling_across_attempts(pg_settings: Settings
 def test_a_signal_refused_by_the_day_budget_waits_for_the_next_day(pg_settings: Settings) -> None:
     settings = fault_model.settings_for(pg_settings, max_cost_per_day=0.0)
     sid = enqueue_signal("session_end", "u1", _said("My favorite color is blue.", "c1"), settings=settings).signal_id
-    report = process_pending(settings)
+    with capture_logs() as logs:
+        report = process_pending(settings)
     assert report.failed == 1 and SCRIPT.calls == 0
     row = _signal(settings, sid)
     assert (row.status, row.attempts) == ("failed", 0)
+    # The log line says the attempts the row says.
+    said = [e for e in logs if e["event"] == "signal_failed" and e["signal_id"] == sid]
+    assert [(e["attempts"], e["budget"]) for e in said] == [(0, "day")], said
     assert row.available_at == budget.next_day_start()
     assert "day budget exhausted" in (row.last_error or "") and "next UTC day" in (row.last_error or "")
     # Nothing to do until then: the next passes do not touch it.
