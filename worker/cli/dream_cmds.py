@@ -194,8 +194,8 @@ def _rebuild_profiles(settings: Settings, users: Sequence[str]) -> int:
 
 @policy_app.command("set")
 def policy_set(
-    agent: Annotated[str, typer.Argument(help="The agent id.")],
-    assignments: Annotated[list[str], typer.Argument(help="KEY=VALUE, e.g. pruneStaleAfterDays=30")],
+    agent: Annotated[str, typer.Argument(metavar="AGENT", help="The agent id.")],
+    assignments: Annotated[list[str], typer.Argument(metavar="KEY=VALUE", help="e.g. pruneStaleAfterDays=30")],
 ) -> None:
     """Set fields of an agent's dream policy; unset fields keep the defaults."""
     from store import policies
@@ -220,7 +220,7 @@ def policy_set(
 
 @policy_app.command("show")
 def policy_show(
-    agent: Annotated[str | None, typer.Argument(help="One agent; all agents with a policy if omitted.")] = None,
+    agent: Annotated[str | None, typer.Argument(metavar="AGENT", help="One agent; all agents with a policy if omitted.")] = None,
 ) -> None:
     """Print effective policies as JSON (the defaults under ``"*"``)."""
     from store import policies

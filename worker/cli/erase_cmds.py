@@ -13,7 +13,7 @@ from worker.cli.common import app, load_settings
 
 @app.command("erase-user")
 def erase_user(
-    user: Annotated[str, typer.Argument(help="The user whose rows are removed everywhere.")],
+    user: Annotated[str, typer.Argument(metavar="USER", help="The user whose rows are removed everywhere.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows removed per table as JSON.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation on a terminal.")] = False,
 ) -> None:

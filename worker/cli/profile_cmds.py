@@ -13,7 +13,7 @@ from worker.cli.common import app, fail, load_settings
 
 @app.command("profile")
 def profile(
-    user: Annotated[str, typer.Argument(help="The user whose profile is shown.")],
+    user: Annotated[str, typer.Argument(metavar="USER", help="The user whose profile is shown.")],
     agent: Annotated[
         str | None,
         typer.Option(

@@ -34,7 +34,7 @@ def _read_payload(source: str) -> str:
 
 @app.command()
 def enqueue(
-    kind: Annotated[str, typer.Argument(help="session_end, feedback or activity")],
+    kind: Annotated[str, typer.Argument(metavar="KIND", help="session_end, feedback or activity")],
     user: Annotated[str, typer.Option("--user", help="The user the signal is about.")],
     payload: Annotated[str, typer.Option("--payload", help="A JSON file, or - for standard input.")],
     agent: Annotated[str | None, typer.Option("--agent", help="The agent that produced it.")] = None,
@@ -111,7 +111,7 @@ def list_(
 
 @signals_app.command("retry")
 def retry(
-    signal_id: Annotated[int | None, typer.Argument(help="The signal to put back.")] = None,
+    signal_id: Annotated[int | None, typer.Argument(metavar="SIGNAL_ID", help="The signal to put back.")] = None,
     all_dead: Annotated[bool, typer.Option("--all-dead", help="Put back every dead signal.")] = False,
 ) -> None:
     """Put dead (or failed) signals back to pending with fresh attempts."""
