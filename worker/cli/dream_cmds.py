@@ -220,7 +220,9 @@ def policy_set(
 
 @policy_app.command("show")
 def policy_show(
-    agent: Annotated[str | None, typer.Argument(metavar="AGENT", help="One agent; all agents with a policy if omitted.")] = None,
+    agent: Annotated[
+        str | None, typer.Argument(metavar="AGENT", help="One agent; all agents with a policy if omitted.")
+    ] = None,
 ) -> None:
     """Print effective policies as JSON (the defaults under ``"*"``)."""
     from store import policies
