@@ -255,78 +255,163 @@ def test_dead_children_live_gauges_are_dropped(tmp_path: Path) -> None:
     assert out.stdout.split() == ["2", "True", "True"], out.stderr
 
 
-def test_a_worker_removes_the_metrics_directory_it_made_and_those_of_workers_killed_outright(
-    pg_settings: Settings, redis_url: str, tmp_path: Path
-) -> None:
-    """``reverie worker`` with no ``PROMETHEUS_MULTIPROC_DIR`` makes its own directory
-    under the temp dir; stopped (SIGTERM), it leaves none behind. One that a worker
-    killed outright left is removed at the next start; a live worker's, a directory
-    made on another host, and one holding a file of someone else's are kept."""
-    import signal
-    import socket
-    import time
-
+def _worker_env(settings: Settings, redis_url: str, temp: Path) -> dict[str, str]:
     from tests.processes import free_port
-
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-
-    def made(pid: int, host: str = socket.gethostname(), extra: str | None = None) -> Path:
-        directory = temp / f"reverie-metrics-{pid}"
-        directory.mkdir()
-        (directory / "reverie-owner").write_text(host + "\n")
-        (directory / f"counter_{pid}.db").write_bytes(b"\0" * 64)
-        if extra:
-            (directory / extra).write_text("mine")
-        return directory
-
-    abandoned = made(gone.pid)
-    live = made(os.getpid())  # this test's process: alive
-    elsewhere = temp / "reverie-metrics-1"
-    elsewhere.mkdir()  # no owner file (as an older version left it, or someone's own): kept
-    other_host = made(gone.pid + 1_000_000, host="another-host")
-    foreign = made(gone.pid + 2_000_000, extra="notes.txt")
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
     env.update(
         TMPDIR=str(temp),
-        REVERIE_DATABASE_URL=pg_settings.database_url,
+        REVERIE_DATABASE_URL=settings.database_url,
         REVERIE_BROKER_URL=redis_url,
         REVERIE_METRICS_PORT=str(free_port()),
         LITELLM_LOCAL_MODEL_COST_MAP="True",
     )
+    return env
+
+
+def _wait_ready(log: Path, alive: Any) -> None:
+    import time
+
+    deadline = time.monotonic() + 90
+    while "ready." not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert alive() and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        time.sleep(0.2)
+
+
+def _metrics_dirs(temp: Path) -> set[str]:
+    return {p.name for p in temp.glob("reverie-metrics-*")}
+
+
+def _made(temp: Path, name: str, *, host: str | None = None, extra: str | None = None, age: float = 3600) -> Path:
+    """A metrics directory as a worker of ``host`` (this one by default) made it ``age`` seconds ago."""
+    import socket
+    import time
+
+    directory = temp / f"reverie-metrics-{name}"
+    directory.mkdir()
+    owner = directory / "reverie-owner"
+    owner.write_text((host or socket.gethostname()) + "\n")
+    (directory / "counter_12345.db").write_bytes(b"\0" * 64)
+    if extra:
+        (directory / extra).write_text("mine")
+    os.utime(owner, (time.time() - age, time.time() - age))
+    return directory
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGQUIT"])
+def test_a_worker_removes_the_metrics_directory_it_made_and_those_nobody_holds(
+    pg_settings: Settings, redis_url: str, tmp_path: Path, stop: str
+) -> None:
+    """``reverie worker`` with no ``PROMETHEUS_MULTIPROC_DIR`` makes its own directory
+    under the temp dir; stopped (SIGTERM), it leaves none behind. One left by a worker
+    killed outright (nobody holds it) is removed at the next start; one a running process
+    holds, one made moments ago, one made on another host, one holding a file of someone
+    else's, and one Reverie did not make are kept. A cold shutdown (SIGQUIT: Celery sends
+    no ``worker_shutdown``) removes it too."""
+    import fcntl
+    import signal
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    abandoned = _made(temp, "abandoned")
+    held = _made(temp, "held")  # a live worker's (in another container, say): it holds the lock
+    holder = os.open(held / "reverie-owner", os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    kept = [
+        held,
+        _made(temp, "starting", age=5),  # its worker is still starting: not taken for abandoned
+        _made(temp, "elsewhere", host="another-host"),
+        _made(temp, "foreign", extra="notes.txt"),
+    ]
+    unmarked = temp / "reverie-metrics-1"
+    unmarked.mkdir()  # no owner file: an older version's, or the operator's own
+    kept.append(unmarked)
+    before = _metrics_dirs(temp)
+
     reverie = str(Path(sys.executable).parent / "reverie")
     log = tmp_path / "worker.log"
-    with log.open("wb") as out:
-        worker = subprocess.Popen(
-            [reverie, "worker", "-c", "1"],
-            cwd=tmp_path,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
     try:
-        own = temp / f"reverie-metrics-{worker.pid}"
-        deadline = time.monotonic() + 90
-        while "ready." not in log.read_text(errors="replace"):
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-            time.sleep(0.2)
-        assert own.is_dir() and any(own.glob("*.db")), sorted(p.name for p in temp.iterdir())
-        assert not abandoned.exists()
-        for kept in (live, elsewhere, other_host, foreign):
-            assert kept.exists(), kept
-        worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=60) == 0, log.read_text(errors="replace")[-3000:]
+        with log.open("wb") as out:
+            worker = subprocess.Popen(
+                [reverie, "worker", "-c", "1"],
+                cwd=tmp_path,
+                env=_worker_env(pg_settings, redis_url, temp),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            _wait_ready(log, lambda: worker.poll() is None)
+            new = _metrics_dirs(temp) - before
+            assert len(new) == 1, sorted(_metrics_dirs(temp))
+            own = temp / new.pop()
+            assert any(own.glob("*.db"))
+            assert not abandoned.exists()
+            assert all(d.exists() for d in kept)
+            worker.send_signal(getattr(signal, stop))
+            assert worker.wait(timeout=60) == 0, log.read_text(errors="replace")[-3000:]
+        finally:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(timeout=10)
     finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=10)
+        os.close(holder)
+    assert not own.exists()
+    assert _metrics_dirs(temp) == {d.name for d in kept}
+
+
+def test_a_detached_worker_keeps_its_metrics_directory_until_it_stops_even_cold(
+    pg_settings: Settings, redis_url: str, tmp_path: Path
+) -> None:
+    """``--detach`` (as ``celery multi`` starts workers) runs the worker under another
+    process id than the one that made its directory: another worker's start does not take
+    it for abandoned, its values still count, and a cold shutdown (SIGQUIT, which sends no
+    ``worker_shutdown``) removes it all the same."""
+    import signal
+    import time
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = _worker_env(pg_settings, redis_url, temp)
+    reverie = str(Path(sys.executable).parent / "reverie")
+    log, pidfile = tmp_path / "detached.log", tmp_path / "detached.pid"
+    argv = [reverie, "worker", "-c", "1", "--", "--detach", f"--logfile={log}", f"--pidfile={pidfile}"]
+    subprocess.run(argv, cwd=tmp_path, env=env, check=True, timeout=60, capture_output=True)
+    port = env["REVERIE_METRICS_PORT"]
+
+    def page() -> str:
+        # Detached, the worker writes nowhere we read: its /metrics page says it is up.
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                return str(response.read().decode())
+        except OSError:
+            return ""
+
+    deadline = time.monotonic() + 90
+    while "dream_signals_processed_total" not in page():
+        assert time.monotonic() < deadline, "the detached worker never served /metrics"
+        time.sleep(0.3)
+    pid = int(pidfile.read_text().strip())
+    try:
+        (name,) = _metrics_dirs(temp)
+        own = temp / name
+        owner = own / "reverie-owner"
+        os.utime(owner, (time.time() - 3600, time.time() - 3600))  # long past its start
+        sweep = "from worker.metrics_server import remove_abandoned_dirs; print(remove_abandoned_dirs())"
+        swept = subprocess.run(
+            [sys.executable, "-c", sweep], cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=60
+        )
+        assert swept.stdout.strip() == "[]", swept.stdout
+        assert own.is_dir() and any(own.glob("*.db"))
+        assert "dream_signals_processed_total" in page()
+        os.kill(pid, signal.SIGQUIT)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
     assert not own.exists(), sorted(p.name for p in own.iterdir())
-    left = sorted(p.name for p in temp.glob("reverie-metrics-*"))
-    assert left == sorted(p.name for p in (live, elsewhere, other_host, foreign))
 
 
 def test_a_metrics_directory_the_operator_names_is_never_removed(tmp_path: Path) -> None:

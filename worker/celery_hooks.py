@@ -15,6 +15,7 @@ The periodic ``dream_signals_pending`` refresh is :func:`refresh_pending_gauge`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import os
@@ -76,6 +77,10 @@ def _celeryd_init(conf: Any = None, **_: Any) -> None:
 
 def _worker_init(**_: Any) -> None:
     global _server  # noqa: PLW0603 - one endpoint per worker parent
+    # First: a worker that detached (`--detach`, `celery multi`) closed the lock it inherited.
+    if metrics_server.hold_own_dir():
+        # A cold shutdown (SIGQUIT, a second Ctrl-C) sends no worker_shutdown.
+        atexit.register(_remove_metrics_dir, os.getpid())
     settings = get_settings()
     # worker_init comes before Celery's setup_logging; these first lines need the format too.
     configure_logging(settings)
@@ -184,8 +189,13 @@ def _worker_shutdown(**_: Any) -> None:
     if _server is not None:
         _server.close()
         _server = None
-    # After the pool has stopped: no child writes its values any more.
-    if metrics_server.remove_own_dir():
+    _remove_metrics_dir(os.getpid())
+
+
+def _remove_metrics_dir(pid: int) -> None:
+    # The worker's parent only (a forked child inherits the exit hook), once its pool
+    # has stopped: no child writes its values any more.
+    if os.getpid() == pid and metrics_server.remove_own_dir():
         log.info("metrics directory removed")
 
 

@@ -56,26 +56,27 @@ def prepare_multiprocess_dir(directory: Path | None = None) -> Path:
         )
     chosen = directory or current
     if chosen is None:
-        # Reverie's own directory, named for this process (which becomes the worker:
-        # `reverie worker` execs Celery), removed when the worker stops
-        # (:func:`remove_own_dir`); those of workers killed outright go now.
+        # Reverie's own directory, a new one under the temp dir, removed when the worker
+        # stops (:func:`remove_own_dir`); those of workers killed outright go now.
         remove_abandoned_dirs()
-        chosen = _own_dir(os.getpid())
-        chosen.mkdir(parents=True, exist_ok=True)
+        chosen = Path(tempfile.mkdtemp(prefix=OWN_PREFIX))
         (chosen / OWNER_FILE).write_text(_host() + "\n", "utf-8")
+        hold_own_dir(chosen)
     chosen.mkdir(parents=True, exist_ok=True)
     wipe_multiprocess_dir(chosen)
     os.environ[ENV_VAR] = str(chosen)
     return chosen
 
 
-#: In a metrics directory Reverie made (and will remove), the host it was made on.
+#: Reverie's own metrics directories: ``<temp dir>/reverie-metrics-<random>``.
+OWN_PREFIX = "reverie-metrics-"
+#: In a metrics directory Reverie made (and will remove): the host it was made on. A
+#: process using the directory holds a shared lock on it (:func:`hold_own_dir`).
 OWNER_FILE = "reverie-owner"
-_OWN_DIR = re.compile(r"^reverie-metrics-(\d+)$")
-
-
-def _own_dir(pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"reverie-metrics-{pid}"
+#: A directory nobody holds is abandoned only this long after it was made: the worker
+#: takes its lock again once started (``--detach`` forks and closes what it inherited).
+ABANDONED_AFTER_SECONDS = 300.0
+_held: list[int] = []
 
 
 def _host() -> str:
@@ -87,42 +88,86 @@ def _host() -> str:
 def _is_own(directory: Path) -> bool:
     """Whether Reverie made ``directory`` on this host and it holds nothing but metrics files."""
     try:
-        if (directory / OWNER_FILE).read_text("utf-8").strip() != _host():
+        if directory.is_symlink() or (directory / OWNER_FILE).read_text("utf-8").strip() != _host():
             return False
         return all(p.name == OWNER_FILE or (p.is_file() and p.suffix == ".db") for p in directory.iterdir())
     except OSError:
         return False
 
 
-def remove_own_dir() -> bool:
-    """Remove this process's metrics directory if Reverie made it (a worker that stops);
-    a directory the operator named is left as it is. Whether one was removed."""
+def hold_own_dir(directory: Path | None = None) -> bool:
+    """Hold a shared lock on Reverie's own metrics directory (``directory``, else this
+    process's) for the rest of this process and the children it forks: while any of
+    them runs, no other worker takes the directory for abandoned. (A lock, not a
+    process id: a worker detaches under another id, and containers sharing the temp
+    dir do not see each other's processes.) Whether one is held."""
+    import fcntl
+
+    directory = directory or multiprocess_dir()
+    if directory is None or not (directory / OWNER_FILE).is_file():
+        return False
+    try:
+        fd = os.open(directory / OWNER_FILE, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        return False
+    os.set_inheritable(fd, True)  # kept across `reverie worker`'s exec of Celery
+    _held.append(fd)
+    return True
+
+
+def _in_use(directory: Path) -> bool:
+    import fcntl
+
+    try:
+        fd = os.open(directory / OWNER_FILE, os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # the lock, if taken, goes with it
+    return False
+
+
+def remove_own_dir(directory: Path | None = None) -> bool:
+    """Remove this process's metrics directory (``directory``: the one it uses) if
+    Reverie made it (a worker that stops); a directory the operator named is left as it
+    is. Whether it was removed."""
     import shutil
 
-    directory = multiprocess_dir()
-    if directory is None or directory != _own_dir(os.getpid()) or not _is_own(directory):
+    directory = directory or multiprocess_dir()
+    if directory is None or not directory.name.startswith(OWN_PREFIX) or not _is_own(directory):
         return False
     shutil.rmtree(directory, ignore_errors=True)
     return not directory.exists()
 
 
 def remove_abandoned_dirs() -> list[Path]:
-    """Remove the metrics directories Reverie made on this host for workers that no
-    longer run (killed outright: they never removed their own); returns them."""
+    """Remove the metrics directories Reverie made on this host that no process holds
+    any more (their worker was killed outright, and never removed its own), made more
+    than :data:`ABANDONED_AFTER_SECONDS` ago; returns them."""
     import shutil
+    import time
 
     removed: list[Path] = []
     try:
-        candidates = list(Path(tempfile.gettempdir()).iterdir())
+        candidates = [p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(OWN_PREFIX)]
     except OSError:
         return removed
     for path in candidates:
-        match = _OWN_DIR.match(path.name)
-        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+        try:
+            age = time.time() - (path / OWNER_FILE).stat().st_mtime
+        except OSError:
             continue
-        if path.is_dir() and not path.is_symlink() and _is_own(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+        if age < ABANDONED_AFTER_SECONDS or not path.is_dir() or not _is_own(path) or _in_use(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed
 
 

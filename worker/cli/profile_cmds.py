@@ -62,16 +62,25 @@ def profile(
     print(found.text, end="")
     if not found.text:
         # Nothing for a prompt (standard output stays empty, as a pipe wants it): why, on stderr.
-        print(f"reverie: {_why_empty(user, agent, found.entries_left_out, found.budget)}", file=sys.stderr)
+        print(f"reverie: {_why_empty(user, agent, found.entries_left_out, found.budget, budget)}", file=sys.stderr)
 
 
-def _why_empty(user: str, agent: str | None, left_out: int, budget: int) -> str:
+def _why_empty(user: str, agent: str | None, left_out: int, budget: int, asked: int | None) -> str:
     whose = f"user {user}'s profile" + (f" for agent {agent}" if agent else "")
     if left_out:
-        return f"{whose} is empty: none of its {left_out} entries fits in {budget} tokens (--budget sets another)"
+        entries = "its entry does not" if left_out == 1 else f"none of its {left_out} entries"
+        fits = "fit" if left_out == 1 else "fits"
+        if asked is not None and asked <= budget:  # (the reader gives the smaller of the two)
+            return f"{whose} is empty: {entries} {fits} in {asked} tokens"
+        # A reader only cuts what was built: more than the build's budget adds nothing.
+        built = f"the {budget} tokens it was built with (REVERIE_PROFILE_TOKEN_BUDGET)"
+        return f"{whose} is empty: {entries} {fits} in {built}"
     if agent:
-        return f"{whose} is empty: agent {agent} may see no entry of this user"
+        return (
+            f"{whose} is empty: the last dream of this user found no entry agent {agent} may see "
+            f"(`reverie run --user {user}` builds it again now)"
+        )
     return (
-        f"{whose} is empty: it shows the shared entries only (global, and self with no owner), and there are none "
-        "(--agent A shows what agent A may see)"
+        f"{whose} is empty: it shows the shared entries only (global, and self with no owner), and the last dream "
+        "of this user found none (--agent A shows what agent A may see)"
     )
