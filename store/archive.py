@@ -47,10 +47,12 @@ from store import entry_state
 from store.db import hold_writes
 from store.memories import (
     OVERWRITTEN_COLUMNS,
+    SQL_NULL_KEY,
     Removed,
     archive_rows,
     bytes_of,
     host_columns,
+    json_column_names,
     one_entry,
     quoted_name,
     record_events,
@@ -131,7 +133,9 @@ def _restore(
             ids = first_replace.get((user_id, entry_id), [])
             if not ids or archive_id != ids[0]:
                 continue
-            outcome = writes.put_back_value(data, _written_at(session, events_of, user_id, entry_id, "update"))
+            outcome = writes.put_back_value(
+                data, _written_at(session, events_of, user_id, entry_id, "update"), archive_id=archive_id
+            )
             if outcome == "changed":
                 kept += 1
                 continue
@@ -141,7 +145,7 @@ def _restore(
         if session.scalar(select(table.c.id).where(_clash(table, data)).limit(1)) is not None:
             conflicts += 1
             continue
-        if not writes.insert(data):
+        if not writes.insert(data, archive_id=archive_id):
             # Taken by a key the look above cannot see (the host's primary key is its
             # own to choose): the row stays in the archive.
             conflicts += 1
@@ -241,12 +245,13 @@ class _Writer:
         self.postgres = session.get_bind().dialect.name == "postgresql"
         self._live: Table | None = None
         self._host_columns: list[str] | None = None
+        self._json_types: dict[str, str] | None = None
 
     @property
     def count(self) -> int:
         return len(self.done)
 
-    def put_back_value(self, data: dict[str, Any], written_at: datetime | None) -> str:
+    def put_back_value(self, data: dict[str, Any], written_at: datetime | None, *, archive_id: int) -> str:
         """Put an overwritten value back on its row: ``put back``, ``changed`` (the
         application wrote the row after Reverie did: left alone) or ``missing`` (the row
         is gone: the caller inserts it like a removed one).
@@ -274,7 +279,7 @@ class _Writer:
                     f"UPDATE {name} SET ({names}) = ({archived}) "
                     f"WHERE {quote('user_id')} = :user_id AND {quote('id')} = :id"
                 ),
-                {"row": json.dumps(data), "user_id": data["user_id"], "id": data["id"]},
+                {"archive_id": archive_id, "user_id": data["user_id"], "id": data["id"]},
             )
         else:
             values = self._sqlite_values(data, columns)
@@ -288,7 +293,7 @@ class _Writer:
         self._done(data, recalls=current.access_count)
         return "put back"
 
-    def insert(self, data: dict[str, Any]) -> bool:
+    def insert(self, data: dict[str, Any], *, archive_id: int) -> bool:
         """Insert an archived row whole; False when a unique key of the host's table
         already holds it (nothing written then)."""
         if self._host_columns is None:
@@ -301,7 +306,7 @@ class _Writer:
         if self.postgres:
             name, names, archived = self._pg_archived(columns)
             result = self.session.execute(
-                text(f"INSERT INTO {name} ({names}) {archived} ON CONFLICT DO NOTHING"), {"row": json.dumps(data)}
+                text(f"INSERT INTO {name} ({names}) {archived} ON CONFLICT DO NOTHING"), {"archive_id": archive_id}
             )
         else:
             row = self._sqlite_values(data, columns)
@@ -313,12 +318,38 @@ class _Writer:
 
     def _pg_archived(self, columns: list[str]) -> tuple[str, str, str]:
         """The table's quoted name, the columns' quoted names, and a ``SELECT`` of those
-        columns of the archived row given as ``:row`` (PostgreSQL turns the JSON back
-        into the table's own column types)."""
+        columns of the archived row whose archive id is ``:archive_id``, read where it is
+        kept (PostgreSQL turns the JSON back into the table's own column types; a number
+        never goes through a float here). A JSON column is taken as the archive holds it:
+        the JSON value ``null`` stays ``null``, and it is SQL NULL where the archive says
+        it was (``SQL_NULL_KEY``)."""
         quote = self.session.get_bind().dialect.identifier_preparer.quote
         name = quoted_name(self.session, self.table)
         names = ", ".join(quote(column) for column in columns)
-        return name, names, f"SELECT {names} FROM jsonb_populate_record(NULL::{name}, CAST(:row AS jsonb))"
+        json_columns = set(json_column_names(self.session, self.table))
+        picked = []
+        for column in columns:
+            if column in json_columns:
+                key = "'" + column.replace("'", "''") + "'"
+                picked.append(
+                    f"CASE WHEN COALESCE(r.row -> '{SQL_NULL_KEY}', '[]'::jsonb) ? {key} THEN NULL "
+                    f"ELSE CAST(r.row -> {key} AS {self._json_type(column)}) END"
+                )
+            else:
+                picked.append(f"p.{quote(column)}")
+        archived = (
+            f"SELECT {', '.join(picked)} FROM {quoted_name(self.session, ArchivedEntry.__table__)} AS r "  # type: ignore[arg-type]
+            f"CROSS JOIN LATERAL jsonb_populate_record(NULL::{name}, r.row) AS p WHERE r.id = :archive_id"
+        )
+        return name, names, archived
+
+    def _json_type(self, column: str) -> str:
+        if self._json_types is None:
+            dialect = self.session.get_bind().dialect
+            self._json_types = {
+                c["name"]: str(c["type"].compile(dialect)) for c in host_columns(self.session, self.table)
+            }
+        return self._json_types.get(column, "JSONB")
 
     def _done(self, data: dict[str, Any], *, recalls: int | None = None) -> None:
         self.done.append(Removed(data["id"], data["user_id"], data["key"]))

@@ -73,6 +73,25 @@ def test_a_value_a_signal_overwrote_comes_back_with_restore_signal(pg_settings: 
     assert _values(pg_settings) == {"favorite_color": "blue"}
 
 
+@pytest.mark.parametrize("held", ["""{"shade": 1.50, "n": null}""", "null"])
+def test_an_overwritten_value_comes_back_with_every_digit_and_its_null(pg_settings: Settings, held: str) -> None:
+    _said(pg_settings, "My favorite color is blue.", "c-1")
+    with session_scope(pg_settings) as session:
+        # The application's own value on that row, as it wrote it.
+        session.execute(
+            text("UPDATE usermemories SET value = CAST(:v AS jsonb) WHERE key = 'favorite_color'"), {"v": held}
+        )
+        before = session.execute(text("SELECT value::text FROM usermemories WHERE key = 'favorite_color'")).scalar()
+    overwrite = _said(pg_settings, "My favorite color is green.", "c-2")
+    assert _values(pg_settings)["favorite_color"] == "green"
+    assert _restore(pg_settings, "--signal", str(overwrite)).returncode == 0
+    with session_scope(pg_settings) as session:
+        after = session.execute(
+            text("SELECT value::text, value IS NULL FROM usermemories WHERE key = 'favorite_color'")
+        ).one()
+    assert tuple(after) == (before, False)
+
+
 def test_restore_signal_leaves_a_value_the_application_changed_since(pg_settings: Settings) -> None:
     _said(pg_settings, "My favorite color is blue.", "c-1")
     overwrite = _said(pg_settings, "My favorite color is green.", "c-2")

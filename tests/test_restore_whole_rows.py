@@ -349,3 +349,48 @@ def test_sqlite_text_in_a_blob_host_column_is_restored(blob_sqlite: Settings) ->
 
 def _att(settings: Settings) -> list[tuple[Any, ...]]:
     return _stored(settings, "SELECT user_id, attachment, typeof(attachment) FROM usermemories ORDER BY user_id")
+
+
+def test_restore_puts_json_values_back_exactly_digits_and_nulls_alike(pg_settings: Settings) -> None:
+    """The host's values as PostgreSQL holds them: a number's every digit, ``100.50``
+    with its zero, the JSON value ``null`` and SQL NULL (two things) come back from the
+    archive as they were, through the real command line."""
+    from tests.test_cli import run
+
+    values = {
+        "pi": "'3.14159265358979323846264338327950288'::jsonb",
+        "price": """'{"p": 100.50, "q": [1.0, 2e3]}'::jsonb""",
+        "json_null": "'null'::jsonb",
+        "sql_null": "NULL",
+        "text": """'"Bob"'::jsonb""",
+    }
+    with session_scope(pg_settings) as session:
+        for key, value in values.items():
+            groups = "NULL" if key == "sql_null" else "'null'::jsonb" if key == "json_null" else "'[\"g\"]'::jsonb"
+            session.execute(
+                text(
+                    "INSERT INTO usermemories (id, user_id, key, value, group_ids, created_at, updated_at) "
+                    f"VALUES (:id, 'u1', :key, {value}, {groups}, now() - interval '300 days', "
+                    "now() - interval '300 days')"
+                ),
+                {"id": f"e-{key}", "key": key},
+            )
+
+    def stored() -> dict[str, tuple[Any, ...]]:
+        with session_scope(pg_settings) as session:
+            rows = session.execute(
+                text(
+                    "SELECT key, value::text, value IS NULL, group_ids::text, group_ids IS NULL "
+                    "FROM usermemories WHERE user_id = 'u1'"
+                )
+            )
+            return {row[0]: tuple(row[1:]) for row in rows}
+
+    before = stored()
+    assert before["pi"][0] == "3.14159265358979323846264338327950288"
+    assert before["price"][0] == '{"p": 100.50, "q": [1.0, 2000]}'
+    outcome = dream_user(pg_settings.model_copy(update={"summarize_interactions": False}), "u1")
+    assert outcome.entries_pruned == len(values) and stored() == {}
+    done = run(["restore", "--run", str(outcome.run_id)], env={"REVERIE_DATABASE_URL": pg_settings.database_url})
+    assert done.returncode == 0, done.stderr
+    assert stored() == before
