@@ -45,6 +45,8 @@ def test_set_then_show(pg_settings: Settings) -> None:
         ("enabled=maybe", "true or false"),
         ("maxCostPerRun=lots", "amount in USD"),
         ("profileWriter=llm", "one of deterministic, model"),
+        ("pruneStaleAfterDays=1000000", "at most 36,500"),
+        ("maxCostPerRun=10000000000", "at most 1,000,000 USD"),
         ("justakey", "KEY=VALUE"),
     ],
 )
@@ -56,6 +58,56 @@ def test_bad_values_are_one_line_errors(pg_settings: Settings, assignment: str, 
 def test_cli_bad_value_exit_code(pg_settings: Settings) -> None:
     done = _cli(pg_settings, "policy", "set", "travel", "pruneStaleAfterDays=soon")
     assert done.returncode == 2 and done.stderr.startswith("reverie: error:") and "Traceback" not in done.stderr
+
+
+def test_the_largest_values_taken_dream_every_user_and_larger_ones_are_refused(pg_settings: Settings) -> None:
+    """Each day count and amount at the most a policy or a setting takes: a cron pass
+    (signals, dreams, the purge) still ends well; one more is refused, naming it, before
+    any dream. (Larger ones overflowed the date arithmetic and the database's counters,
+    and failed the dream of every user, whichever agent's policy held them.)"""
+    from worker.settings import MAX_DAYS, MAX_USD
+
+    assert _cli(pg_settings, "policy", "set", "travel", f"pruneStaleAfterDays={MAX_DAYS}").returncode == 0
+    assert _cli(pg_settings, "policy", "set", "travel", f"maxCostPerRun={MAX_USD:.0f}").returncode == 0
+    largest = {
+        "REVERIE_MAX_COST_PER_RUN": str(MAX_USD),
+        "REVERIE_MAX_COST_PER_DAY": str(MAX_USD),
+        "REVERIE_MAX_COST_PER_USER_PER_DAY": str(MAX_USD),
+        "REVERIE_MAX_COST_PER_SIGNAL": str(MAX_USD),
+        "REVERIE_PRUNE_STALE_AFTER_DAYS": str(MAX_DAYS),
+        "REVERIE_ARCHIVE_RETENTION_DAYS": str(MAX_DAYS),
+        "REVERIE_SIGNAL_PAYLOAD_RETENTION_DAYS": str(MAX_DAYS),
+        "REVERIE_EVENT_RETENTION_DAYS": str(MAX_DAYS),
+        "REVERIE_RUN_RETENTION_DAYS": str(MAX_DAYS),
+        "REVERIE_SPEND_RETENTION_DAYS": str(MAX_DAYS),
+        "REVERIE_SIGNAL_MAX_ATTEMPTS": "10000",
+        "REVERIE_DATABASE_KEEPALIVE_SECONDS": "32767",
+        "REVERIE_DATABASE_IDLE_IN_TRANSACTION_SECONDS": "2147483",
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    env |= {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": "", **largest}
+    payload = {"conversation_id": "c1", "messages": [{"role": "user", "content": "My favorite color is blue."}]}
+    enqueued = subprocess.run(
+        [REVERIE, "enqueue", "session_end", "--user", "u1", "--agent", "travel", "--payload", "-"],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert enqueued.returncode == 0, enqueued.stderr
+    done = subprocess.run([REVERIE, "run", "--json"], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["errors"] == [] and report["users_processed"] == 1 and report["signals_processed"] == 1
+    for name, value in largest.items():
+        over = str(float(value) * 10 if "COST" in name else int(value) * 10)
+        refused = subprocess.run(
+            [REVERIE, "run", "--json"], capture_output=True, text=True, env={**env, name: over}, timeout=60, check=False
+        )
+        assert refused.returncode == 1 and refused.stdout == "", (name, refused.stdout)
+        assert refused.stderr.startswith(f"reverie: error: invalid setting {name}: "), refused.stderr
 
 
 def test_effective_policy_fills_defaults(pg_settings: Settings) -> None:

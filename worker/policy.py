@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from worker.errors import ConfigError
-from worker.settings import Settings
+from worker.settings import MAX_DAYS, MAX_USD, Settings
 
 RESOLUTIONS = ("flag", "keep_newest")
 PROFILE_WRITERS = ("deterministic", "model")
@@ -86,7 +86,7 @@ def _bool(name: str, value: Any) -> bool:
     raise ConfigError(f"{name} must be true or false, not {value!r}")
 
 
-def _int(minimum: int) -> Callable[[str, Any], int]:
+def _int(minimum: int, maximum: int | None = None) -> Callable[[str, Any], int]:
     def parse(name: str, value: Any) -> int:
         if isinstance(value, bool):
             raise ConfigError(f"{name} must be a whole number, not {value!r}")
@@ -96,6 +96,8 @@ def _int(minimum: int) -> Callable[[str, Any], int]:
             raise ConfigError(f"{name} must be a whole number, not {value!r}") from exc
         if number < minimum:
             raise ConfigError(f"{name} must be at least {minimum}, not {number}")
+        if maximum is not None and number > maximum:
+            raise ConfigError(f"{name} must be at most {maximum:,}, not {number:,}")
         return number
 
     return parse
@@ -110,6 +112,8 @@ def _cost(name: str, value: Any) -> float:
         raise ConfigError(f"{name} must be an amount in USD, not {value!r}") from exc
     if not number >= 0 or number == float("inf"):
         raise ConfigError(f"{name} must be a finite amount of at least 0, not {value!r}")
+    if number > MAX_USD:
+        raise ConfigError(f"{name} must be at most {MAX_USD:,.0f} USD, not {value!r}")
     return number
 
 
@@ -127,7 +131,7 @@ def _writer(name: str, value: Any) -> str:
 
 _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "enabled": _bool,
-    "pruneStaleAfterDays": _int(0),
+    "pruneStaleAfterDays": _int(0, MAX_DAYS),
     "detectContradictions": _bool,
     "summarizeInteractions": _bool,
     "maxCostPerRun": _cost,

@@ -19,6 +19,12 @@ DEFAULT_DATABASE_URL = "sqlite:///reverie.db"
 USER_DAY_SHARE = 0.10
 SIGNAL_SHARE = 0.02
 
+#: The largest number of days and the largest amount in USD a setting or a policy takes:
+#: a century and a million. Larger ones are refused rather than left to overflow the
+#: date arithmetic and the database's counters in every user's dream.
+MAX_DAYS = 36_500
+MAX_USD = 1_000_000.0
+
 #: The log hash key a fresh install has: public, so anyone can hash a known user id
 #: with it and find that user in the logs. Services warn at start while it is in use.
 PUBLIC_LOG_HASH_KEY = "reverie"
@@ -53,10 +59,11 @@ class Settings(BaseSettings):
     # PostgreSQL would keep its session, and the row locks it holds (a lease, a signal),
     # until TCP gives up, hours later. The server ends a Reverie session idle this long
     # inside a transaction (0: the server's own setting)...
-    database_idle_in_transaction_seconds: float = Field(default=300.0, ge=0)
+    # (at most PostgreSQL's own limit for it, 2^31 - 1 milliseconds)
+    database_idle_in_transaction_seconds: float = Field(default=300.0, ge=0, le=2_147_483)
     # ...and each side probes a silent connection after this many seconds and drops it
-    # two probes later (0: the operating system's defaults).
-    database_keepalive_seconds: float = Field(default=10.0, ge=0)
+    # two probes later (0: the operating system's defaults; at most Linux's limit, 32,767).
+    database_keepalive_seconds: float = Field(default=10.0, ge=0, le=32_767)
 
     # -- the model ----------------------------------------------------------------
     llm_model: str = "offline"
@@ -73,18 +80,18 @@ class Settings(BaseSettings):
     llm_drift_seed: int = 0
     # Tokens of the user's existing entries shown to the extracting model (0: none).
     known_entries_token_budget: int = Field(default=600, ge=0)
-    max_cost_per_run: float = Field(default=0.50, ge=0)
-    max_cost_per_day: float = Field(default=5.00, ge=0)
+    max_cost_per_run: float = Field(default=0.50, ge=0, le=MAX_USD)
+    max_cost_per_day: float = Field(default=5.00, ge=0, le=MAX_USD)
     # What one user's signals may spend in a UTC day, and one signal over all its
     # attempts; unset, a share of the day's cap, so one producer cannot spend it all.
-    max_cost_per_user_per_day: float | None = Field(default=None, ge=0)
-    max_cost_per_signal: float | None = Field(default=None, ge=0)
+    max_cost_per_user_per_day: float | None = Field(default=None, ge=0, le=MAX_USD)
+    max_cost_per_signal: float | None = Field(default=None, ge=0, le=MAX_USD)
     # Prompt tokens reserved on top of litellm's count, as a fraction of it; unset, by
     # provider family (none where litellm counts with the provider's own tokenizer).
     llm_prompt_token_margin: float | None = Field(default=None, ge=0, le=4)
 
     # -- dream defaults (EDDI dreamConfig; per-agent policies override) ------------
-    prune_stale_after_days: int = Field(default=90, ge=0)
+    prune_stale_after_days: int = Field(default=90, ge=0, le=MAX_DAYS)
     detect_contradictions: bool = True
     contradiction_resolution: Literal["flag", "keep_newest"] = "flag"
     summarize_interactions: bool = True
@@ -113,7 +120,7 @@ class Settings(BaseSettings):
     routine_min_weeks: int = Field(default=3, ge=2)
     routine_window_minutes: int = Field(default=60, ge=1, le=720)
     habit_min_days: int = Field(default=5, ge=2)
-    signal_max_attempts: int = Field(default=5, ge=1)
+    signal_max_attempts: int = Field(default=5, ge=1, le=10_000)
     signal_lease_seconds: int = Field(default=300, ge=5)
     # Signals one wake-up claims and applies together (its own first): more drains a
     # backlog faster; a worker killed mid-batch leaves that many to their leases.
@@ -123,11 +130,11 @@ class Settings(BaseSettings):
     # -- retention, in days (0 keeps forever) -------------------------------------
     # The archive is the restore window; a finished signal keeps its row (idempotency)
     # but not its payload; runs are kept at least as long as their archive rows.
-    archive_retention_days: int = Field(default=30, ge=0)
-    signal_payload_retention_days: int = Field(default=7, ge=0)
-    event_retention_days: int = Field(default=90, ge=0)
-    run_retention_days: int = Field(default=90, ge=0)
-    spend_retention_days: int = Field(default=90, ge=0)
+    archive_retention_days: int = Field(default=30, ge=0, le=MAX_DAYS)
+    signal_payload_retention_days: int = Field(default=7, ge=0, le=MAX_DAYS)
+    event_retention_days: int = Field(default=90, ge=0, le=MAX_DAYS)
+    run_retention_days: int = Field(default=90, ge=0, le=MAX_DAYS)
+    spend_retention_days: int = Field(default=90, ge=0, le=MAX_DAYS)
     purge_batch_size: int = Field(default=1000, ge=1)
     purge_interval_seconds: float = Field(default=3600.0, gt=0)
 
