@@ -110,6 +110,30 @@ def test_the_largest_values_taken_dream_every_user_and_larger_ones_are_refused(p
         assert refused.stderr.startswith(f"reverie: error: invalid setting {name}: "), refused.stderr
 
 
+def test_a_stored_value_past_the_limit_is_refused_naming_the_agent_and_the_mend(pg_settings: Settings) -> None:
+    """A policy stored before the limits (or by hand) stops the pass with one line that
+    names its agent and how to mend it; mended, the user is dreamed."""
+    from sqlalchemy import text
+
+    from store.db import session_scope
+    from tests.dream_seed import entry, seed
+
+    assert _cli(pg_settings, "policy", "set", "zz", "pruneStaleAfterDays=30").returncode == 0
+    with session_scope(pg_settings) as session:
+        session.execute(text("""UPDATE dream_policies SET config = '{"pruneStaleAfterDays": 1000000}'"""))
+    seed(pg_settings, [entry("u1", "city", "Oslo")])
+    said = (
+        "reverie: error: the stored policy of agent zz: pruneStaleAfterDays must be at most 36,500, not 1,000,000 "
+        "(`reverie policy set zz FIELD=VALUE` mends it)\n"
+    )
+    for argv in (["run", "--user", "u1", "--json"], ["policy", "show"]):
+        refused = _cli(pg_settings, *argv)
+        assert refused.returncode == 1 and refused.stderr.endswith(said), refused.stderr
+    assert _cli(pg_settings, "policy", "set", "zz", "pruneStaleAfterDays=40").returncode == 0
+    done = _cli(pg_settings, "run", "--user", "u1", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["users_processed"] == 1, done.stderr
+
+
 def test_effective_policy_fills_defaults(pg_settings: Settings) -> None:
     policy = effective(pg_settings, {"summarizeTargetEntries": "3", "enabled": "false"})
     assert policy.summarizeTargetEntries == 3 and not policy.enabled and not policy.prunes

@@ -192,4 +192,17 @@ class PolicyBook:
 
 def book(settings: Settings, configs: Mapping[str, Mapping[str, Any]]) -> PolicyBook:
     """All stored configs turned into effective policies."""
-    return PolicyBook(defaults(settings), {agent: effective(settings, cfg) for agent, cfg in configs.items()})
+    return PolicyBook(
+        defaults(settings), {agent: stored_policy(settings, agent, cfg) for agent, cfg in configs.items()}
+    )
+
+
+def stored_policy(settings: Settings, agent: str, config: Mapping[str, Any]) -> Policy:
+    """:func:`effective` of an agent's stored config; a field it no longer takes (stored
+    before a limit was set, or by hand) is refused naming the agent and how to mend it."""
+    try:
+        return effective(settings, config)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"the stored policy of agent {agent}: {exc} (`reverie policy set {agent} FIELD=VALUE` mends it)"
+        ) from exc

@@ -202,7 +202,7 @@ def policy_set(
     from store.db import session_scope
     from worker.errors import ConfigError, InvalidSignal
     from worker.payloads import check_identifier
-    from worker.policy import effective, parse_assignments
+    from worker.policy import parse_assignments, stored_policy
 
     try:
         check_identifier("agent", agent, required=True)
@@ -215,7 +215,7 @@ def policy_set(
     settings = load_settings()
     with session_scope(settings) as session:
         stored = policies.merge_config(session, agent, changes)
-    print(json.dumps({"agent": agent, "policy": effective(settings, stored).as_config()}, sort_keys=True))
+    print(json.dumps({"agent": agent, "policy": stored_policy(settings, agent, stored).as_config()}, sort_keys=True))
 
 
 @policy_app.command("show")
@@ -227,12 +227,12 @@ def policy_show(
     """Print effective policies as JSON (the defaults under ``"*"``)."""
     from store import policies
     from store.db import session_scope
-    from worker.policy import defaults, effective
+    from worker.policy import defaults, stored_policy
 
     settings = load_settings()
     with session_scope(settings) as session:
         configs = policies.all_configs(session) if agent is None else {agent: policies.get_config(session, agent) or {}}
     out: dict[str, Any] = {"*": defaults(settings).as_config()} if agent is None else {}
     for name, config in sorted(configs.items()):
-        out[name] = {**effective(settings, config).as_config(), "overrides": sorted(config)}
+        out[name] = {**stored_policy(settings, name, config).as_config(), "overrides": sorted(config)}
     print(json.dumps(out, sort_keys=True, indent=2))
