@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-from sqlalchemy import delete, or_, select, text, update
+from sqlalchemy import Table, delete, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -28,9 +28,16 @@ class Taken(NamedTuple):
     made_row: bool
 
 
-def acquire(session: Session, user_id: str, token: str, ttl: timedelta) -> bool:
-    """Take the user's lease for ``ttl`` unless someone else holds a live one."""
-    return take(session, user_id, token, ttl).taken
+def acquire(session: Session, user_id: str, token: str, ttl: timedelta, *, entries: Table | None = None) -> bool:
+    """Take the user's lease for ``ttl`` unless someone else holds a live one.
+
+    With ``entries`` (the memory table), a user with no state row and no entries there
+    (erased since they were named, or never known) gets no row and no lease: see
+    :func:`without_unknown`."""
+    took = take(session, user_id, token, ttl)
+    if took.taken and took.made_row and entries is not None:
+        return bool(without_unknown(session, entries, [user_id], token))
+    return took.taken
 
 
 def take(session: Session, user_id: str, token: str, ttl: timedelta) -> Taken:
@@ -102,6 +109,11 @@ def holders(session: Session, user_ids: Sequence[str], token: str) -> set[str]:
     return set(session.scalars(query))
 
 
+def holds_row(session: Session, user_id: str) -> bool:
+    """Whether the user has a state row (a schedule, a lease)."""
+    return session.scalar(select(UserState.user_id).where(UserState.user_id == user_id)) is not None
+
+
 def release(session: Session, user_id: str, token: str) -> None:
     """Give the lease back (only if it is still ours)."""
     session.execute(
@@ -119,7 +131,7 @@ def forget(session: Session, user_id: str, token: str) -> None:
 
 _PG_ENSURE = text(
     "INSERT INTO dream_user_state (user_id, next_dream_at) SELECT unnest(CAST(:ids AS varchar[])), :at "
-    "ON CONFLICT (user_id) DO NOTHING"
+    "ON CONFLICT (user_id) DO NOTHING RETURNING user_id"
 )
 # SKIP LOCKED: a row another transaction holds right now is left out instead of waited
 # for (and never deadlocks two chunks that share users); the caller retries those users
@@ -140,15 +152,37 @@ RETURNING s.user_id
 )
 
 
-def acquire_many(session: Session, user_ids: Sequence[str], token: str, ttl: timedelta) -> list[str]:
+def acquire_many(
+    session: Session, user_ids: Sequence[str], token: str, ttl: timedelta, *, entries: Table | None = None
+) -> list[str]:
     """Take the leases of every free user among ``user_ids`` under one token (PostgreSQL,
     two statements); returns the users leased, in order. Users whose lease is held, or
-    whose state row is locked at this moment, are left out."""
+    whose state row is locked at this moment, are left out; with ``entries``, so are
+    users who had no state row and have no entries (:func:`without_unknown`)."""
     at = db_now(session)
     ids = sorted(set(user_ids))
-    session.execute(_PG_ENSURE, {"ids": ids, "at": at})
+    made = list(session.scalars(_PG_ENSURE, {"ids": ids, "at": at}))
     taken = set(session.scalars(_PG_ACQUIRE_MANY, {"ids": ids, "at": at, "until": at + ttl, "token": token}))
+    if made and entries is not None:
+        unknown = set(made) - set(without_unknown(session, entries, [u for u in made if u in taken], token))
+        taken -= unknown
     return [uid for uid in ids if uid in taken]
+
+
+def without_unknown(session: Session, entries: Table, made: Sequence[str], token: str) -> list[str]:
+    """Of users whose state row this lease (``token``) just made, those with entries in
+    ``entries``; the others' rows go again. Such a user was named by a message sent
+    before an erasure (or never had entries): a dream must not bring them back, with a
+    schedule and a ledger row. Looked at after the lease is held, in a statement of its
+    own: an erasure that committed meanwhile is seen, and one still to come waits for
+    the lease."""
+    if not made:
+        return []
+    have = set(session.scalars(select(entries.c.user_id).where(entries.c.user_id.in_(sorted(made))).distinct()))
+    gone = sorted(set(made) - have)
+    if gone:
+        session.execute(delete(UserState).where(UserState.user_id.in_(gone), UserState.lock_token == token))
+    return [u for u in made if u in have]
 
 
 def release_many(session: Session, user_ids: Sequence[str], token: str) -> None:

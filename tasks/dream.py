@@ -23,6 +23,7 @@ from store import locks, runs, schedule
 from store import policies as policy_store
 from store import spend as spend_store
 from store.db import closing_transaction, committing, get_engine, session_scope
+from store.memories import table_for
 from store.runs import RunCounts
 from store.spend import BudgetLine
 from store.types import db_now, nano_to_usd, usd_to_nano
@@ -92,6 +93,11 @@ class RunOutcome:
         )
 
 
+#: A skipped run's reason for a user with no entries and no schedule (erased since a
+#: message named them, or never known): nothing is made for them.
+UNKNOWN_USER = "no entries and no schedule (erased, or not known yet): nothing to dream"
+
+
 def lease_ttl(settings: Settings) -> timedelta:
     if settings.dream_lease_seconds is not None:
         return timedelta(seconds=settings.dream_lease_seconds)
@@ -129,7 +135,11 @@ def dream_user(
     with _opening(settings, token, [user_id]) as session:
         # The database's clock: the run's start is compared with times other hosts wrote.
         at = db_now(session)
-        if not locks.acquire(session, user_id, token, ttl):
+        if not locks.acquire(session, user_id, token, ttl, entries=table_for(settings)):
+            if not locks.holds_row(session, user_id):
+                # No entries and no schedule: erased since a message named them (or never known).
+                log.info("dream_skipped_unknown", user=user_ref(user_id, settings.log_hash_key))
+                return RunOutcome(user_id=user_id, status="skipped", error=UNKNOWN_USER)
             log.info("dream_skipped_busy", user=user_ref(user_id, settings.log_hash_key))
             return RunOutcome(
                 user_id=user_id, status="skipped", error=str(UserBusy(user_ref(user_id, settings.log_hash_key)))
@@ -472,7 +482,7 @@ def dream_users(
     ttl = lease_ttl(settings)
     with _opening(settings, token, ids) as session:
         at = db_now(session)
-        leased = locks.acquire_many(session, ids, token, ttl)
+        leased = locks.acquire_many(session, ids, token, ttl, entries=table_for(settings))
         policies = book(settings, policy_store.all_configs(session))
         runs.close_abandoned(session, leased)
         run_ids = runs.start_runs(session, leased, scope="user", trigger=trigger)

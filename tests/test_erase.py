@@ -62,6 +62,33 @@ def test_no_table_holds_a_row_about_the_user(pg_settings: Settings) -> None:
         assert session.scalars(select(Spend)).all() != []
 
 
+@pytest.mark.parametrize("path", ["chunk", "one user"])
+def test_a_dream_queued_before_the_erasure_does_not_bring_the_user_back(store_settings: Settings, path: str) -> None:
+    """The dispatcher sent ann's (and ben's) dream; ann is erased before a worker takes
+    the message. The run that comes of it makes nothing of ann's (no schedule, no
+    ledger row, no profile): every table is still clear of her, and ben is dreamed."""
+    from store.models import UserState
+    from tasks.dream import UNKNOWN_USER, dream_user, dream_users
+
+    populate(store_settings, "ann")
+    populate(store_settings, "ben")
+    erase_user(store_settings, "ann")
+    if path == "chunk":
+        outcomes = {o.user_id: o for o in dream_users(store_settings, ["ann", "ben"])}
+    else:
+        outcomes = {u: dream_user(store_settings, u, trigger="schedule") for u in ("ann", "ben")}
+    assert (outcomes["ann"].status, outcomes["ann"].error, outcomes["ann"].run_id) == ("skipped", UNKNOWN_USER, None)
+    assert outcomes["ben"].status == "succeeded"
+    with session_scope(store_settings) as session:
+        assert set(rows_about(session, store_settings, "ann").values()) == {0}
+        assert session.scalar(select(UserState.user_id).where(UserState.user_id == "ben")) == "ben"
+    # A user the application writes to again is known again, and dreamed.
+    table = table_for(store_settings)
+    with session_scope(store_settings) as session:
+        session.execute(table.insert().values(id="ann-new", user_id="ann", key="city", value="Oslo"))
+    assert dream_user(store_settings, "ann").status == "succeeded"
+
+
 def test_signals_after_the_erasure_are_processed(pg_settings: Settings) -> None:
     enqueue_signal("session_end", "ann", said("My favorite color is blue"), settings=pg_settings)
     erase_user(pg_settings, "ann")
