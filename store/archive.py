@@ -60,7 +60,7 @@ from store.memories import (
 )
 from store.models import ArchivedEntry, Event, Run, Signal
 from store.types import db_now, naive_utc, now
-from worker.errors import NotFound
+from worker.errors import ArchiveExpired, NotFound
 
 RESTORABLE = ("prune", "contradiction", "summarize", "replace")
 
@@ -117,6 +117,7 @@ def _restore(
     # SQLite: no other writer from the first look to the last write (PostgreSQL locks
     # the rows it looks at), so an application edit never lands between the two.
     hold_writes(session)
+    _refuse_expired(session, events_of, archived_of, run_id=run_id, signal_id=signal_id)
     writes = _Writer(session, table, run_id=run_id, signal_id=signal_id)
     removed, kept, inserted = _take_out_inserts(session, table, events_of, run_id=run_id, signal_id=signal_id)
     gone = {(r.user_id, r.entry_id) for r in removed}
@@ -163,6 +164,26 @@ def _restore(
         changed_since=kept,
         users=tuple(sorted({r.user_id for r in (*writes.done, *removed)})),
     )
+
+
+def _refuse_expired(
+    session: Session,
+    events_of: ColumnElement[bool],
+    archived_of: ColumnElement[bool],
+    *,
+    run_id: int | None,
+    signal_id: int | None,
+) -> None:
+    """Refuse, changing nothing, a restore whose archived rows the retention purge
+    deleted: it could not put back what was removed or overwritten, and would still take
+    out what was written in their place (a summary, without the entries it replaced)."""
+    if session.scalar(select(ArchivedEntry.id).where(archived_of).limit(1)) is not None:
+        return
+    changed = session.scalar(
+        select(func.count()).where(events_of, Event.action.in_(("delete", "update")), Event.source != "restore")
+    )
+    if changed:
+        raise ArchiveExpired(f"run {run_id}" if run_id is not None else f"signal {signal_id}", int(changed))
 
 
 def _replaces(

@@ -143,3 +143,31 @@ def test_a_restored_summary_is_not_summarized_again_while_its_entries_hold_what_
     with session_scope(settings) as session:
         session.execute(update(table).where(table.c.user_id == "u1").values(updated_at=now()))
     assert dream() == 5
+
+
+def test_a_restore_past_the_archives_retention_is_refused_and_changes_nothing(pg_settings: Settings) -> None:
+    """The purge deleted a summarize run's archived originals: a restore cannot put them
+    back, so it says so (exit 1) and leaves the summary it would otherwise take out."""
+    from sqlalchemy import text
+
+    from tests.test_cli import assert_one_line_error, run
+
+    seed(
+        pg_settings,
+        [entry("u1", "stale", "old", age_days=300)]
+        + [entry("u1", f"n{i}", f"note {i}", category="context") for i in range(5)],
+    )
+    outcome = dream_user(pg_settings, "u1")
+    assert (outcome.entries_pruned, outcome.entries_summarized) == (1, 5) and outcome.run_id is not None
+    after = entries_of(pg_settings, "u1")
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": ""}
+    with session_scope(pg_settings) as session:
+        session.execute(text("UPDATE dream_archive SET archived_at = archived_at - interval '31 days'"))
+    purged = run(["run", "--json"], env=env)
+    assert purged.returncode == 0, purged.stderr
+    with session_scope(pg_settings) as session:
+        assert session.execute(text("SELECT count(*) FROM dream_archive")).scalar() == 0
+    refused = run(["restore", "--run", str(outcome.run_id)], env=env)
+    assert_one_line_error(refused, f"run {outcome.run_id}: nothing put back", "REVERIE_ARCHIVE_RETENTION_DAYS")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert entries_of(pg_settings, "u1") == after

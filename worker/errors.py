@@ -61,6 +61,18 @@ class NotFound(ReverieError):
         super().__init__(f"{what} {ident!r} not found")
 
 
+class ArchiveExpired(ReverieError):
+    """A restore of a run or signal whose archived rows are past the archive's retention."""
+
+    def __init__(self, what: str, changed: int) -> None:
+        self.what = what
+        self.changed = changed
+        super().__init__(
+            f"{what}: nothing put back: the {changed} entries it removed or overwrote were archived longer ago "
+            "than REVERIE_ARCHIVE_RETENTION_DAYS, and the archive no longer holds them (nothing was changed)"
+        )
+
+
 class TransientError(ReverieError):
     """Worth retrying: a timeout, a rate limit, a lost connection."""
 
