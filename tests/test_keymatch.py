@@ -65,6 +65,10 @@ def test_rules_make_one_key_of_case_separators_spelling_plurals_and_abbreviation
         ("note1", "note2"),
         ("address_line", "address_line2"),
         ("mother_name", "father_name"),
+        ("hobby_one", "hobby_two"),
+        ("child_one_name", "child_two_name"),
+        ("address_line_one", "address_line_two"),
+        ("first_pet", "second_pet"),
     ],
 )
 def test_keys_that_differ_in_a_contrasting_word_never_match(a: str, b: str) -> None:
@@ -131,6 +135,16 @@ def test_labelled_pairs_precision_is_total_and_recall_at_least_90_percent(model_
     wrong = [pair for pair in DIFFERENT if model_matcher.same(*pair)]
     assert fp == 0, f"keys that are different facts were matched: {wrong}"
     assert tp / (tp + fn) >= 0.90, f"recall {tp}/{tp + fn}"
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [("hobby_one", "hobby_two"), ("child_one_name", "child_two_name"), ("address_line_one", "address_line_two")],
+)
+def test_numbered_keys_spelled_out_are_two_facts_for_the_model_too(model_matcher: KeyMatcher, a: str, b: str) -> None:
+    """Joined as one key, keep_newest removed one of the two (a fact of its own)."""
+    assert not model_matcher.same(a, b)
+    assert model_matcher.find(b, [a]) is None
 
 
 def test_rules_alone_miss_what_the_model_finds(model_matcher: KeyMatcher) -> None:
