@@ -311,6 +311,27 @@ def test_unknown_option_is_a_usage_error() -> None:
     assert "Try 'reverie run --help' for help." in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["erase-user", "", "--yes"], "user: must not be empty"),
+        (["restore", "--run", str(2**64)], "less than or equal to 9223372036854775807"),
+        (["restore", "--signal", str(2**64)], "less than or equal to 9223372036854775807"),
+        (["signals", "retry", str(2**64)], "less than or equal to 9223372036854775807"),
+        (["profile", ""], "must not be empty"),
+    ],
+)
+def test_a_name_or_id_nothing_can_have_is_a_usage_error_before_the_database(
+    argv: list[str], said: str, tmp_path: Path
+) -> None:
+    """Exit 2 and a line saying what is wrong, as any usage error, not a database error
+    (an id past a BIGINT's range) or another exit code from one command to the next."""
+    result = run(argv, env={"REVERIE_DATABASE_URL": f"sqlite:///{tmp_path}/none.db"})
+    assert result.returncode == 2, result.stderr
+    assert said in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bare_reverie_prints_the_help() -> None:
     result = run([])
     assert "unexpected" not in result.stderr + result.stdout

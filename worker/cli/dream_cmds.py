@@ -142,11 +142,17 @@ def _print_report(data: dict[str, Any]) -> None:
         print(f"failed: {error}", file=sys.stderr)
 
 
+#: The largest id a ledger run or a signal can have (a BIGINT).
+MAX_ID = 2**63 - 1
+
+
 @app.command()
 def restore(
-    run_id: Annotated[int | None, typer.Option("--run", help="The ledger id of the run to undo.", min=1)] = None,
+    run_id: Annotated[
+        int | None, typer.Option("--run", help="The ledger id of the run to undo.", min=1, max=MAX_ID)
+    ] = None,
     signal_id: Annotated[
-        int | None, typer.Option("--signal", help="The id of a signal whose writes to undo.", min=1)
+        int | None, typer.Option("--signal", help="The id of a signal whose writes to undo.", min=1, max=MAX_ID)
     ] = None,
 ) -> None:
     """Put back every row a run or a signal archived (and take out the entries it wrote)."""

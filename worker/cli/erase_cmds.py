@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.common import app, load_settings
+from worker.cli.common import app, fail, load_settings
 
 
 @app.command("erase-user")
@@ -23,6 +23,12 @@ def erase_user(
     """
     from tasks.erase import erase_user as erase
 
+    # No user is named so. (Any other name is taken as it is, whatever Reverie would
+    # refuse to write: a host's own rows may name a user so, and are erased all the same.)
+    if not user:
+        fail("user: must not be empty", code=2)
+    if "\x00" in user:
+        fail("user: contains a NUL byte", code=2)
     settings = load_settings()
     if not yes and sys.stdin.isatty():
         typer.confirm(f"Erase every row of user {user!r} everywhere? This cannot be undone", abort=True)

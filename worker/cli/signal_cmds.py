@@ -111,7 +111,9 @@ def list_(
 
 @signals_app.command("retry")
 def retry(
-    signal_id: Annotated[int | None, typer.Argument(metavar="SIGNAL_ID", help="The signal to put back.")] = None,
+    signal_id: Annotated[
+        int | None, typer.Argument(metavar="SIGNAL_ID", help="The signal to put back.", min=1, max=2**63 - 1)
+    ] = None,
     all_dead: Annotated[bool, typer.Option("--all-dead", help="Put back every dead signal.")] = False,
 ) -> None:
     """Put dead (or failed) signals back to pending with fresh attempts."""
