@@ -182,7 +182,9 @@ def _refuse_expired(
     changed = session.scalar(
         select(func.count()).where(events_of, Event.action.in_(("delete", "update")), Event.source != "restore")
     )
-    if changed:
+    restored = session.scalar(select(Event.id).where(events_of, Event.source == "restore").limit(1))
+    # Restored before its archive rows went: there is nothing left to put back, and no harm.
+    if changed and restored is None:
         raise ArchiveExpired(f"run {run_id}" if run_id is not None else f"signal {signal_id}", int(changed))
 
 
@@ -267,6 +269,7 @@ class _Writer:
         self._live: Table | None = None
         self._host_columns: list[str] | None = None
         self._json_types: dict[str, str] | None = None
+        self._json_columns: set[str] | None = None
 
     @property
     def count(self) -> int:
@@ -343,17 +346,23 @@ class _Writer:
         kept (PostgreSQL turns the JSON back into the table's own column types; a number
         never goes through a float here). A JSON column is taken as the archive holds it:
         the JSON value ``null`` stays ``null``, and it is SQL NULL where the archive says
-        it was (``SQL_NULL_KEY``)."""
+        it was (``SQL_NULL_KEY``; an archive row without the key is older, and both are
+        SQL NULL, as they always were)."""
         quote = self.session.get_bind().dialect.identifier_preparer.quote
         name = quoted_name(self.session, self.table)
         names = ", ".join(quote(column) for column in columns)
-        json_columns = set(json_column_names(self.session, self.table))
+        if self._json_columns is None:  # once per restore: its one transaction
+            self._json_columns = set(json_column_names(self.session, self.table))
+        json_columns = self._json_columns
+        tag = "'" + SQL_NULL_KEY.replace("'", "''") + "'"
         picked = []
         for column in columns:
             if column in json_columns:
                 key = "'" + column.replace("'", "''") + "'"
+                # An archive row written before the tag: as it was always read (a JSON
+                # null comes back as SQL NULL).
                 picked.append(
-                    f"CASE WHEN COALESCE(r.row -> '{SQL_NULL_KEY}', '[]'::jsonb) ? {key} THEN NULL "
+                    f"CASE WHEN NOT r.row ? {tag} THEN p.{quote(column)} WHEN (r.row -> {tag}) ? {key} THEN NULL "
                     f"ELSE CAST(r.row -> {key} AS {self._json_type(column)}) END"
                 )
             else:

@@ -19,7 +19,6 @@ from typing import Any
 
 from sqlalchemy import (
     ARRAY,
-    JSON,
     BigInteger,
     ColumnElement,
     String,
@@ -36,6 +35,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    text,
     tuple_,
     update,
     values,
@@ -87,38 +87,37 @@ def quoted_name(session: Session, table: Table) -> str:
     return str(session.get_bind().dialect.identifier_preparer.format_table(table))
 
 
-#: In an archived row (PostgreSQL): the names of its JSON columns that held SQL NULL,
-#: where there are any (``to_jsonb`` makes SQL NULL and the JSON value ``null`` alike,
-#: and a restore puts back which it was).
-SQL_NULL_KEY = "reverie_sql_null"
+#: In an archived row (PostgreSQL): the names of its JSON columns that held SQL NULL
+#: (``to_jsonb`` makes SQL NULL and the JSON value ``null`` alike; a restore puts back
+#: which it was). Longer than PostgreSQL's 63 bytes for a name: no column can be called so.
+SQL_NULL_KEY = "reverie: the JSON columns of this row that held SQL NULL, not the JSON value null"
 
 
 def whole_row(session: Session, table: Table) -> ColumnElement[Any]:
     """The whole current row of ``table`` as JSON (PostgreSQL), whatever columns the host
-    added; its JSON columns holding SQL NULL are named under :data:`SQL_NULL_KEY`."""
+    added, its JSON columns that hold SQL NULL named under :data:`SQL_NULL_KEY` (always
+    there, if empty: an archive row without it is older, and read as it always was)."""
     name = quoted_name(session, table)
     quote = session.get_bind().dialect.identifier_preparer.quote
     nullable = [(f"{name}.{quote(c)}", c.replace("'", "''")) for c in json_column_names(session, table)]
-    if not nullable:
-        return func.to_jsonb(literal_column(name))
-    any_null = " OR ".join(f"{ref} IS NULL" for ref, _ in nullable)
     names = ", ".join(f"CASE WHEN {ref} IS NULL THEN '{lit}' END" for ref, lit in nullable)
     return literal_column(
-        f"CASE WHEN {any_null} THEN to_jsonb({name}) || jsonb_build_object('{SQL_NULL_KEY}', "
-        f"to_jsonb(array_remove(ARRAY[{names}]::text[], NULL))) ELSE to_jsonb({name}) END"
+        f"to_jsonb({name}) || jsonb_build_object('{SQL_NULL_KEY}', "
+        f"to_jsonb(array_remove(ARRAY[{names}]::text[], NULL)))"
     )
 
 
-def json_column_names(session: Session, table: Table) -> tuple[str, ...]:
-    """The names of ``table``'s JSON columns, its own and the host's (PostgreSQL), looked
-    up once per connection."""
-    known: dict[tuple[str | None, str], tuple[str, ...]] = session.connection().connection.info.setdefault(
-        "reverie_json_columns", {}
-    )
-    where = (table.schema, table.name)
-    if where not in known:
-        known[where] = tuple(c["name"] for c in host_columns(session, table) if isinstance(c["type"], JSON))
-    return known[where]
+def json_column_names(session: Session, table: Table) -> list[str]:
+    """The names of ``table``'s JSON columns, its own and the host's, as the catalog has
+    them now (PostgreSQL; one small query: the host may add or drop a column at any time)."""
+    found = session.execute(_JSON_COLUMNS, {"table": quoted_name(session, table)})
+    return [str(row[0]) for row in found]
+
+
+_JSON_COLUMNS = text(
+    "SELECT attname FROM pg_attribute WHERE attrelid = CAST(:table AS regclass) AND attnum > 0 "
+    "AND NOT attisdropped AND atttypid IN (CAST('json' AS regtype), CAST('jsonb' AS regtype)) ORDER BY attnum"
+)
 
 
 def host_columns(session: Session, table: Table) -> list[ReflectedColumn]:

@@ -387,12 +387,20 @@ def test_a_detached_worker_keeps_its_metrics_directory_until_it_stops_even_cold(
         except OSError:
             return ""
 
-    deadline = time.monotonic() + 90
-    while "dream_signals_processed_total" not in page():
-        assert time.monotonic() < deadline, "the detached worker never served /metrics"
-        time.sleep(0.3)
-    pid = int(pidfile.read_text().strip())
+    def running() -> int | None:
+        try:
+            pid = int(pidfile.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if os.path.exists(f"/proc/{pid}") else None
+
     try:
+        deadline = time.monotonic() + 90
+        while "dream_signals_processed_total" not in page():
+            assert time.monotonic() < deadline, "the detached worker never served /metrics"
+            time.sleep(0.3)
+        pid = running()
+        assert pid is not None
         (name,) = _metrics_dirs(temp)
         own = temp / name
         owner = own / "reverie-owner"
@@ -406,11 +414,13 @@ def test_a_detached_worker_keeps_its_metrics_directory_until_it_stops_even_cold(
         assert "dream_signals_processed_total" in page()
         os.kill(pid, signal.SIGQUIT)
         deadline = time.monotonic() + 60
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        while running() and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
-        if os.path.exists(f"/proc/{pid}"):
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        # Detached, it is no child of ours: never left behind, whatever failed above.
+        left = running()
+        if left is not None:
+            os.killpg(os.getpgid(left), signal.SIGKILL)
     assert not own.exists(), sorted(p.name for p in own.iterdir())
 
 

@@ -45,8 +45,8 @@ def test_set_then_show(pg_settings: Settings) -> None:
         ("enabled=maybe", "true or false"),
         ("maxCostPerRun=lots", "amount in USD"),
         ("profileWriter=llm", "one of deterministic, model"),
-        ("pruneStaleAfterDays=1000000", "at most 36,500"),
-        ("maxCostPerRun=10000000000", "at most 1,000,000 USD"),
+        ("pruneStaleAfterDays=1000000", "at most 365,000"),
+        ("maxCostPerRun=10000000000", "at most 1,000,000,000 USD"),
         ("justakey", "KEY=VALUE"),
     ],
 )
@@ -65,7 +65,7 @@ def test_the_largest_values_taken_dream_every_user_and_larger_ones_are_refused(p
     (signals, dreams, the purge) still ends well; one more is refused, naming it, before
     any dream. (Larger ones overflowed the date arithmetic and the database's counters,
     and failed the dream of every user, whichever agent's policy held them.)"""
-    from worker.settings import MAX_DAYS, MAX_USD
+    from worker.settings import MAX_DAYS, MAX_DURATION_SECONDS, MAX_USD
 
     assert _cli(pg_settings, "policy", "set", "travel", f"pruneStaleAfterDays={MAX_DAYS}").returncode == 0
     assert _cli(pg_settings, "policy", "set", "travel", f"maxCostPerRun={MAX_USD:.0f}").returncode == 0
@@ -83,6 +83,21 @@ def test_the_largest_values_taken_dream_every_user_and_larger_ones_are_refused(p
         "REVERIE_SIGNAL_MAX_ATTEMPTS": "10000",
         "REVERIE_DATABASE_KEEPALIVE_SECONDS": "32767",
         "REVERIE_DATABASE_IDLE_IN_TRANSACTION_SECONDS": "2147483",
+        "REVERIE_PURGE_BATCH_SIZE": "1000000",
+        "REVERIE_DREAM_INTERVAL_HOURS": str(MAX_DURATION_SECONDS // 3600),
+        **{
+            f"REVERIE_{name.upper()}": str(MAX_DURATION_SECONDS)
+            for name in (
+                "llm_timeout_seconds",
+                "dream_lease_seconds",
+                "signal_lease_seconds",
+                "signal_backoff_seconds",
+                "dispatch_lease_seconds",
+                "dispatch_dirty_delay_seconds",
+                "sweep_grace_seconds",
+                "cron_time_limit_seconds",
+            )
+        },
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
     env |= {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": "", **largest}
@@ -101,8 +116,17 @@ def test_the_largest_values_taken_dream_every_user_and_larger_ones_are_refused(p
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["errors"] == [] and report["users_processed"] == 1 and report["signals_processed"] == 1
+    # The dispatcher's tick (beat's) at these values too.
+    from schedules.dispatcher import dispatch
+    from worker.settings import Settings as Loaded
+
+    with pytest.MonkeyPatch.context() as patched:
+        for name, value in largest.items():
+            patched.setenv(name, value)
+        sent: list[list[str]] = []
+        dispatch(Loaded(_env_file=None, database_url=pg_settings.database_url), sent.append)  # type: ignore[call-arg]
     for name, value in largest.items():
-        over = str(float(value) * 10 if "COST" in name else int(value) * 10)
+        over = str(float(value) * 10 if "COST" in name or "HOURS" in name else int(value) * 10)
         refused = subprocess.run(
             [REVERIE, "run", "--json"], capture_output=True, text=True, env={**env, name: over}, timeout=60, check=False
         )
@@ -123,7 +147,7 @@ def test_a_stored_value_past_the_limit_is_refused_naming_the_agent_and_the_mend(
         session.execute(text("""UPDATE dream_policies SET config = '{"pruneStaleAfterDays": 1000000}'"""))
     seed(pg_settings, [entry("u1", "city", "Oslo")])
     said = (
-        "reverie: error: the stored policy of agent zz: pruneStaleAfterDays must be at most 36,500, not 1,000,000 "
+        "reverie: error: the stored policy of agent zz: pruneStaleAfterDays must be at most 365,000, not 1,000,000 "
         "(`reverie policy set zz FIELD=VALUE` mends it)\n"
     )
     for argv in (["run", "--user", "u1", "--json"], ["policy", "show"]):
@@ -132,6 +156,18 @@ def test_a_stored_value_past_the_limit_is_refused_naming_the_agent_and_the_mend(
     assert _cli(pg_settings, "policy", "set", "zz", "pruneStaleAfterDays=40").returncode == 0
     done = _cli(pg_settings, "run", "--user", "u1", "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["users_processed"] == 1, done.stderr
+
+
+def test_every_duration_and_day_count_setting_has_a_limit() -> None:
+    """A setting in seconds, hours or days with no upper limit is one a large value
+    overflows in every dream: each is refused past its limit (one added later too)."""
+    from pydantic import ValidationError
+
+    names = [n for n in Settings.model_fields if n.endswith(("_seconds", "_hours", "_days"))]
+    assert len(names) > 15
+    for name in names:
+        with pytest.raises(ValidationError, match=name):
+            Settings(_env_file=None, **{name: 1e15})  # type: ignore[call-arg]
 
 
 def test_effective_policy_fills_defaults(pg_settings: Settings) -> None:

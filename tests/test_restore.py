@@ -171,3 +171,19 @@ def test_a_restore_past_the_archives_retention_is_refused_and_changes_nothing(pg
     assert_one_line_error(refused, f"run {outcome.run_id}: nothing put back", "REVERIE_ARCHIVE_RETENTION_DAYS")
     assert refused.returncode == 1 and refused.stdout == ""
     assert entries_of(pg_settings, "u1") == after
+
+
+def test_a_run_restored_before_its_archive_rows_went_is_not_refused(pg_settings: Settings) -> None:
+    from sqlalchemy import text
+
+    from tests.test_cli import run
+
+    seed(pg_settings, [entry("u1", "stale", "old", age_days=300)])
+    outcome = dream_user(pg_settings.model_copy(update={"summarize_interactions": False}), "u1")
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": ""}
+    assert run(["restore", "--run", str(outcome.run_id)], env=env).returncode == 0
+    with session_scope(pg_settings) as session:
+        session.execute(text("UPDATE dream_archive SET archived_at = archived_at - interval '31 days'"))
+    assert run(["run", "--json"], env=env).returncode == 0
+    again = run(["restore", "--run", str(outcome.run_id)], env=env)
+    assert again.returncode == 0 and "restored 0 entries" in again.stdout, again.stderr

@@ -394,3 +394,49 @@ def test_restore_puts_json_values_back_exactly_digits_and_nulls_alike(pg_setting
     done = run(["restore", "--run", str(outcome.run_id)], env={"REVERIE_DATABASE_URL": pg_settings.database_url})
     assert done.returncode == 0, done.stderr
     assert stored() == before
+
+
+def test_a_json_column_the_host_adds_or_drops_while_reverie_runs(pg_settings: Settings) -> None:
+    """In one process (a worker's pooled connections): a JSON column added since holds
+    SQL NULL through a prune and a restore, and one dropped since fails no dream."""
+    from store.memories import json_column_names
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    seed(settings, [entry("u1", "warm", "up", age_days=300)])
+    assert dream_user(settings, "u1").entries_pruned == 1  # the connections know the table as it was
+    with session_scope(settings) as session:
+        # On one connection, before and after: what the catalog says now, every time.
+        assert "later" not in json_column_names(session, table_for(settings))
+        session.execute(text("ALTER TABLE usermemories ADD COLUMN later jsonb"))
+        assert "later" in json_column_names(session, table_for(settings))
+    try:
+        seed(settings, [entry("u2", "stale", "old", age_days=300)])
+        pruned = dream_user(settings, "u2")
+        assert pruned.entries_pruned == 1 and pruned.run_id is not None
+        with session_scope(settings) as session:
+            restore_run(session, table_for(settings), pruned.run_id)
+            back = session.execute(text("SELECT later IS NULL FROM usermemories WHERE user_id = 'u2'")).scalar()
+        assert back is True
+    finally:
+        with session_scope(settings) as session:
+            session.execute(text("ALTER TABLE usermemories DROP COLUMN later"))
+    seed(settings, [entry("u3", "stale", "old", age_days=300)])
+    assert dream_user(settings, "u3").status == "succeeded"
+
+
+def test_an_archive_row_from_before_the_null_tag_restores_as_it_always_did(pg_settings: Settings) -> None:
+    """An archive row written by an older release (no tag naming SQL NULL columns): a
+    JSON null in it comes back as SQL NULL, as such rows always did."""
+    from store.memories import SQL_NULL_KEY
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    seed(settings, [entry("u1", "stale", "old", age_days=300)])
+    with session_scope(settings) as session:
+        session.execute(text("UPDATE usermemories SET value = NULL WHERE user_id = 'u1'"))
+    outcome = dream_user(settings, "u1")
+    assert outcome.entries_pruned == 1 and outcome.run_id is not None
+    with session_scope(settings) as session:
+        assert session.execute(text("SELECT row ? :k FROM dream_archive"), {"k": SQL_NULL_KEY}).scalar() is True
+        session.execute(text("UPDATE dream_archive SET row = row - CAST(:k AS text)"), {"k": SQL_NULL_KEY})
+        restore_run(session, table_for(settings), outcome.run_id)
+        assert session.execute(text("SELECT value IS NULL FROM usermemories WHERE user_id = 'u1'")).scalar() is True

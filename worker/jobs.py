@@ -25,7 +25,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from schedules import dispatcher, sweeper
 from schedules.beat import periods
 from tasks.activity import detect_routines
-from tasks.dream import dream_user, dream_users
+from tasks.dream import UNKNOWN_USER, dream_user, dream_users
 from tasks.retention import purge_expired
 from tasks.signals import process_signal
 from worker import periodic
@@ -95,9 +95,11 @@ def run_users(self: Task, user_ids: list[str]) -> dict[str, int]:
         countdown = min(5 * 2**self.request.retries, RETRY_BACKOFF_MAX)
         raise self.retry(args=[user_ids], exc=exc, countdown=countdown) from exc
     statuses = [o.status for o in outcomes]
+    unknown = sum(1 for o in outcomes if o.status == "skipped" and o.error == UNKNOWN_USER)
     return {
         "dreamed": statuses.count("succeeded"),
-        "busy": statuses.count("skipped"),
+        "busy": statuses.count("skipped") - unknown,
+        "unknown": unknown,
         "failed": statuses.count("failed"),
         "handed_on": 0,
     }

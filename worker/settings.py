@@ -19,11 +19,14 @@ DEFAULT_DATABASE_URL = "sqlite:///reverie.db"
 USER_DAY_SHARE = 0.10
 SIGNAL_SHARE = 0.02
 
-#: The largest number of days and the largest amount in USD a setting or a policy takes:
-#: a century and a million. Larger ones are refused rather than left to overflow the
-#: date arithmetic and the database's counters in every user's dream.
-MAX_DAYS = 36_500
-MAX_USD = 1_000_000.0
+#: The largest number of days and amount in USD a setting or a policy takes (a thousand
+#: years; a billion, which the database's nano-USD counters hold nine times over), and
+#: the longest duration (ten years) any other setting in seconds or hours takes. Larger
+#: ones are refused, naming them, rather than left to overflow the date arithmetic and
+#: the database's counters in every user's dream.
+MAX_DAYS = 365_000
+MAX_USD = 1_000_000_000.0
+MAX_DURATION_SECONDS = 10 * 365 * 86_400
 
 #: The log hash key a fresh install has: public, so anyone can hash a known user id
 #: with it and find that user in the logs. Services warn at start while it is in use.
@@ -119,7 +122,7 @@ class Settings(BaseSettings):
     feedback_min_recurrence: int = Field(default=2, ge=1)
     routine_min_weeks: int = Field(default=3, ge=2)
     routine_window_minutes: int = Field(default=60, ge=1, le=720)
-    habit_min_days: int = Field(default=5, ge=2)
+    habit_min_days: int = Field(default=5, ge=2, le=MAX_DAYS)
     signal_max_attempts: int = Field(default=5, ge=1, le=10_000)
     signal_lease_seconds: int = Field(default=300, ge=5)
     # Signals one wake-up claims and applies together (its own first): more drains a
@@ -135,7 +138,7 @@ class Settings(BaseSettings):
     event_retention_days: int = Field(default=90, ge=0, le=MAX_DAYS)
     run_retention_days: int = Field(default=90, ge=0, le=MAX_DAYS)
     spend_retention_days: int = Field(default=90, ge=0, le=MAX_DAYS)
-    purge_batch_size: int = Field(default=1000, ge=1)
+    purge_batch_size: int = Field(default=1000, ge=1, le=1_000_000)
     purge_interval_seconds: float = Field(default=3600.0, gt=0)
 
     # -- key matching -------------------------------------------------------------
@@ -190,6 +193,28 @@ class Settings(BaseSettings):
     # Chunks one ``reverie run`` pass works on at once (threads; PostgreSQL only): one
     # chunk's Python work overlaps another's wait on the database.
     cron_concurrency: int = Field(default=2, ge=1, le=64)
+
+    @field_validator(
+        "llm_timeout_seconds",
+        "dream_interval_hours",
+        "dream_lease_seconds",
+        "signal_lease_seconds",
+        "signal_backoff_seconds",
+        "purge_interval_seconds",
+        "dispatch_interval_seconds",
+        "dispatch_lease_seconds",
+        "dispatch_dirty_delay_seconds",
+        "sweep_interval_seconds",
+        "sweep_grace_seconds",
+        "signal_listener_retry_seconds",
+        "cron_time_limit_seconds",
+    )
+    @classmethod
+    def _at_most_ten_years(cls, value: float | None, info: ValidationInfo) -> float | None:
+        longest = MAX_DURATION_SECONDS / (3600 if (info.field_name or "").endswith("_hours") else 1)
+        if value is not None and value > longest:
+            raise ValueError(f"must be at most {longest:,.0f} (ten years)")
+        return value
 
     @field_validator("key_lexicon_path")
     @classmethod
