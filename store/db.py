@@ -422,19 +422,38 @@ def closing_transaction(
 _ENDED_BY_SERVER = ("IdleInTransactionSessionTimeout", "IdleSessionTimeout")
 
 
+def lost_connection(exc: BaseException) -> bool:
+    """Whether ``exc`` is the database connection lost or ended by the server (work to try
+    again on a new one), as SQLAlchemy or the driver raised it: invalidated, or a class
+    08 (connection exception) or 57P (the server shut the session: an administrator's
+    ``pg_terminate_backend``, a shutdown, a restart) SQLSTATE, or said so in words."""
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated or type(exc.orig).__name__ in _ENDED_BY_SERVER:
+            return True
+        orig: BaseException | None = exc.orig
+    else:
+        orig = exc
+    sqlstate = str(getattr(orig, "sqlstate", "") or "")
+    if sqlstate.startswith(("08", "57P")):
+        return True
+    if isinstance(orig, psycopg.OperationalError) or isinstance(exc, OperationalError):
+        return _is_connect_error_text(str(orig))
+    return False
+
+
 @contextmanager
 def translate_errors(settings: Settings) -> Iterator[None]:
     """Turn "cannot connect" driver errors into :class:`DatabaseUnavailable`."""
     try:
         yield
     except OperationalError as exc:
-        if exc.connection_invalidated or _is_connect_error(exc):
+        if exc.connection_invalidated or _is_connect_error(exc) or lost_connection(exc):
             raise DatabaseUnavailable(safe_url(settings.database_url), _first_line(exc.orig)) from exc
         if "no such table" in str(exc.orig) or "does not exist" in str(exc.orig):
             raise _missing(settings, exc) from exc
         raise
     except DBAPIError as exc:
-        if exc.connection_invalidated or type(exc.orig).__name__ in _ENDED_BY_SERVER:
+        if lost_connection(exc):
             raise DatabaseUnavailable(safe_url(settings.database_url), _first_line(exc.orig)) from exc
         if "UndefinedTable" in type(exc.orig).__name__:
             raise _missing(settings, exc) from exc
@@ -463,7 +482,11 @@ def _migrated(settings: Settings) -> bool:
 
 
 def _is_connect_error(exc: OperationalError) -> bool:
-    text = str(exc.orig).lower()
+    return _is_connect_error_text(str(exc.orig))
+
+
+def _is_connect_error_text(said: str) -> bool:
+    text = said.lower()
     return any(
         marker in text
         for marker in (

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from store import schedule
 from store import signals as signal_store
-from store.db import committing, get_engine, give_back, session_scope, translate_errors
+from store.db import committing, get_engine, give_back, lost_connection, safe_url, session_scope, translate_errors
 from store.signals import Claimed
 from tasks import activity, feedback, session_end
 from tasks.decisions import Decision, Effect, SignalInput
@@ -284,6 +284,10 @@ def _guarded(settings: Settings, claim: Claimed, result: SignalResult, step: Cal
     except (DatabaseUnavailable, SchemaMissing):
         raise
     except Exception as exc:
+        if lost_connection(exc):
+            # The connection went (killed, the server restarting), wherever it was raised
+            # from: not this signal's fault. Its claim runs out and it is taken again.
+            raise DatabaseUnavailable(safe_url(settings.database_url), type(exc).__name__) from exc
         # A row the database refuses, a stored value it cannot read, input no check
         # foresaw, or a bug: one signal must never stop the pass, and a bug must not be
         # retried forever.

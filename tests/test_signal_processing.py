@@ -111,6 +111,48 @@ def test_transient_error_fails_with_backoff_then_dies(make_settings: Any, monkey
     assert memory_count(settings) == 1
 
 
+def test_a_connection_the_server_ended_mid_signal_is_not_the_signals_error(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed session (``pg_terminate_backend``: AdminShutdown, 57P01), wherever it was
+    raised from, stops the pass as a lost database does; the signal is not recorded as
+    failed by an internal error (a backoff meant for bugs), and is done once taken again."""
+    import psycopg
+    from sqlalchemy.exc import OperationalError
+
+    from worker.errors import DatabaseUnavailable
+
+    def killed(*args: Any, **kwargs: Any) -> Any:
+        shut = psycopg.errors.AdminShutdown("terminating connection due to administrator command")
+        raise OperationalError("SELECT 1", {}, shut)
+
+    monkeypatch.setattr(llm, "complete", killed)
+    sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
+    with pytest.raises(DatabaseUnavailable):
+        process_pending(pg_settings)
+    row = signal_row(pg_settings, sid)
+    assert row.status == "processing" and "internal error" not in (row.last_error or "")
+    monkeypatch.undo()
+    with session_scope(pg_settings) as session:
+        session.execute(update(Signal).where(Signal.id == sid).values(claimed_until=now() - timedelta(seconds=1)))
+    assert process_pending(pg_settings).processed == 1
+    assert signal_row(pg_settings, sid).status == "done"
+
+
+def test_what_counts_as_a_lost_connection() -> None:
+    import psycopg
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    from store.db import lost_connection
+
+    shut = psycopg.errors.AdminShutdown("terminating connection due to administrator command")
+    assert lost_connection(OperationalError("x", {}, shut)) and lost_connection(shut)
+    assert lost_connection(psycopg.OperationalError("consuming input failed: server closed the connection"))
+    assert not lost_connection(IntegrityError("x", {}, psycopg.errors.UniqueViolation("duplicate key")))
+    assert not lost_connection(OperationalError("x", {}, psycopg.errors.QueryCanceled("canceling statement")))
+    assert not lost_connection(ValueError("terminating connection"))
+
+
 def test_permanent_model_error_goes_dead_for_an_operator(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
