@@ -346,8 +346,8 @@ class _Writer:
         kept (PostgreSQL turns the JSON back into the table's own column types; a number
         never goes through a float here). A JSON column is taken as the archive holds it:
         the JSON value ``null`` stays ``null``, and it is SQL NULL where the archive says
-        it was (``SQL_NULL_KEY``; an archive row without the key is older, and both are
-        SQL NULL, as they always were)."""
+        it was (``SQL_NULL_KEY``; in an archive row written before the key, a null
+        is the JSON value, where it could have been either)."""
         quote = self.session.get_bind().dialect.identifier_preparer.quote
         name = quoted_name(self.session, self.table)
         names = ", ".join(quote(column) for column in columns)
@@ -359,10 +359,8 @@ class _Writer:
         for column in columns:
             if column in json_columns:
                 key = "'" + column.replace("'", "''") + "'"
-                # An archive row written before the tag: as it was always read (a JSON
-                # null comes back as SQL NULL).
                 picked.append(
-                    f"CASE WHEN NOT r.row ? {tag} THEN p.{quote(column)} WHEN (r.row -> {tag}) ? {key} THEN NULL "
+                    f"CASE WHEN COALESCE(r.row -> {tag}, '[]'::jsonb) ? {key} THEN NULL "
                     f"ELSE CAST(r.row -> {key} AS {self._json_type(column)}) END"
                 )
             else:

@@ -95,15 +95,19 @@ SQL_NULL_KEY = "reverie: the JSON columns of this row that held SQL NULL, not th
 
 def whole_row(session: Session, table: Table) -> ColumnElement[Any]:
     """The whole current row of ``table`` as JSON (PostgreSQL), whatever columns the host
-    added, its JSON columns that hold SQL NULL named under :data:`SQL_NULL_KEY` (always
-    there, if empty: an archive row without it is older, and read as it always was)."""
+    added; where some of its JSON columns hold SQL NULL, they are named under
+    :data:`SQL_NULL_KEY` (only then: the key costs a rebuilt object per row, and most
+    rows have none)."""
     name = quoted_name(session, table)
     quote = session.get_bind().dialect.identifier_preparer.quote
     nullable = [(f"{name}.{quote(c)}", c.replace("'", "''")) for c in json_column_names(session, table)]
+    if not nullable:
+        return func.to_jsonb(literal_column(name))
+    any_null = " OR ".join(f"{ref} IS NULL" for ref, _ in nullable)
     names = ", ".join(f"CASE WHEN {ref} IS NULL THEN '{lit}' END" for ref, lit in nullable)
     return literal_column(
-        f"to_jsonb({name}) || jsonb_build_object('{SQL_NULL_KEY}', "
-        f"to_jsonb(array_remove(ARRAY[{names}]::text[], NULL)))"
+        f"CASE WHEN {any_null} THEN to_jsonb({name}) || jsonb_build_object('{SQL_NULL_KEY}', "
+        f"to_jsonb(array_remove(ARRAY[{names}]::text[], NULL))) ELSE to_jsonb({name}) END"
     )
 
 

@@ -424,9 +424,9 @@ def test_a_json_column_the_host_adds_or_drops_while_reverie_runs(pg_settings: Se
     assert dream_user(settings, "u3").status == "succeeded"
 
 
-def test_an_archive_row_from_before_the_null_tag_restores_as_it_always_did(pg_settings: Settings) -> None:
+def test_an_archive_row_from_before_the_null_tag_restores_its_null_as_the_json_value(pg_settings: Settings) -> None:
     """An archive row written by an older release (no tag naming SQL NULL columns): a
-    JSON null in it comes back as SQL NULL, as such rows always did."""
+    null in it, which could have been either, comes back as the JSON value ``null``."""
     from store.memories import SQL_NULL_KEY
 
     settings = pg_settings.model_copy(update={"summarize_interactions": False})
@@ -439,4 +439,5 @@ def test_an_archive_row_from_before_the_null_tag_restores_as_it_always_did(pg_se
         assert session.execute(text("SELECT row ? :k FROM dream_archive"), {"k": SQL_NULL_KEY}).scalar() is True
         session.execute(text("UPDATE dream_archive SET row = row - CAST(:k AS text)"), {"k": SQL_NULL_KEY})
         restore_run(session, table_for(settings), outcome.run_id)
-        assert session.execute(text("SELECT value IS NULL FROM usermemories WHERE user_id = 'u1'")).scalar() is True
+        back = session.execute(text("SELECT value IS NULL, value::text FROM usermemories WHERE user_id = 'u1'"))
+        assert tuple(back.one()) == (False, "null")
