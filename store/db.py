@@ -424,21 +424,21 @@ _ENDED_BY_SERVER = ("IdleInTransactionSessionTimeout", "IdleSessionTimeout")
 
 def lost_connection(exc: BaseException) -> bool:
     """Whether ``exc`` is the database connection lost or ended by the server (work to try
-    again on a new one), as SQLAlchemy or the driver raised it: invalidated, or a class
-    08 (connection exception) or 57P (the server shut the session: an administrator's
-    ``pg_terminate_backend``, a shutdown, a restart) SQLSTATE, or said so in words."""
+    again on a new one), as SQLAlchemy or the driver raised it. SQLAlchemy's error says
+    whether the connection broke (it looks at the connection itself); the driver's own
+    (from a raw cursor) only by its SQLSTATE, and only for the server ending the session
+    (57P01-57P03: an administrator's ``pg_terminate_backend``, a shutdown, a restart). Not
+    by class 08 alone: dblink and postgres_fdw raise it on a healthy session for a remote
+    server they cannot reach, and that is the signal's error, not the connection's."""
     if isinstance(exc, DBAPIError):
-        if exc.connection_invalidated or type(exc.orig).__name__ in _ENDED_BY_SERVER:
-            return True
-        orig: BaseException | None = exc.orig
-    else:
-        orig = exc
-    sqlstate = str(getattr(orig, "sqlstate", "") or "")
-    if sqlstate.startswith(("08", "57P")):
-        return True
-    if isinstance(orig, psycopg.OperationalError) or isinstance(exc, OperationalError):
-        return _is_connect_error_text(str(orig))
+        return bool(exc.connection_invalidated) or type(exc.orig).__name__ in _ENDED_BY_SERVER
+    if isinstance(exc, psycopg.Error):
+        return type(exc).__name__ in _ENDED_BY_SERVER or str(exc.sqlstate or "") in _SESSION_ENDED
     return False
+
+
+#: SQLSTATEs of the server ending the session: admin_shutdown, crash_shutdown, cannot_connect_now.
+_SESSION_ENDED = ("57P01", "57P02", "57P03")
 
 
 @contextmanager
@@ -447,7 +447,7 @@ def translate_errors(settings: Settings) -> Iterator[None]:
     try:
         yield
     except OperationalError as exc:
-        if exc.connection_invalidated or _is_connect_error(exc) or lost_connection(exc):
+        if exc.connection_invalidated or _is_connect_error(exc):
             raise DatabaseUnavailable(safe_url(settings.database_url), _first_line(exc.orig)) from exc
         if "no such table" in str(exc.orig) or "does not exist" in str(exc.orig):
             raise _missing(settings, exc) from exc
@@ -482,11 +482,7 @@ def _migrated(settings: Settings) -> bool:
 
 
 def _is_connect_error(exc: OperationalError) -> bool:
-    return _is_connect_error_text(str(exc.orig))
-
-
-def _is_connect_error_text(said: str) -> bool:
-    text = said.lower()
+    text = str(exc.orig).lower()
     return any(
         marker in text
         for marker in (

@@ -111,20 +111,39 @@ def test_transient_error_fails_with_backoff_then_dies(make_settings: Any, monkey
     assert memory_count(settings) == 1
 
 
+def _killed_mid_statement(url: str) -> BaseException:
+    """What SQLAlchemy raises for a statement on a session the server ended
+    (``pg_terminate_backend``, as an administrator or a failover does): the real one."""
+    import psycopg
+    from sqlalchemy import create_engine
+
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with engine.connect() as connection:
+            pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+            with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://", 1), autocommit=True) as other:
+                other.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            try:
+                connection.exec_driver_sql("SELECT 1")
+            except Exception as exc:
+                return exc
+    finally:
+        engine.dispose()
+    raise AssertionError("the statement on a terminated session did not fail")
+
+
 def test_a_connection_the_server_ended_mid_signal_is_not_the_signals_error(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A killed session (``pg_terminate_backend``: AdminShutdown, 57P01), wherever it was
-    raised from, stops the pass as a lost database does; the signal is not recorded as
-    failed by an internal error (a backoff meant for bugs), and is done once taken again."""
-    import psycopg
-    from sqlalchemy.exc import OperationalError
-
+    """A killed session, wherever its error is raised from, stops the pass as a lost
+    database does; the signal is not recorded as failed by an internal error (a backoff
+    meant for bugs), and is done once taken again."""
     from worker.errors import DatabaseUnavailable
 
+    ended = _killed_mid_statement(pg_settings.database_url)
+
     def killed(*args: Any, **kwargs: Any) -> Any:
-        shut = psycopg.errors.AdminShutdown("terminating connection due to administrator command")
-        raise OperationalError("SELECT 1", {}, shut)
+        raise ended
 
     monkeypatch.setattr(llm, "complete", killed)
     sid = enqueue_signal("session_end", "u1", said("My favorite color is blue"), settings=pg_settings).signal_id
@@ -139,18 +158,67 @@ def test_a_connection_the_server_ended_mid_signal_is_not_the_signals_error(
     assert signal_row(pg_settings, sid).status == "done"
 
 
-def test_what_counts_as_a_lost_connection() -> None:
+def test_what_counts_as_a_lost_connection(pg_settings: Settings) -> None:
+    """By the connection, not the error's class: a remote server dblink or postgres_fdw
+    cannot reach raises SQLSTATE 08001 on a healthy session (the signal's own error)."""
     import psycopg
-    from sqlalchemy.exc import IntegrityError, OperationalError
+    from sqlalchemy import create_engine, text
 
     from store.db import lost_connection
 
-    shut = psycopg.errors.AdminShutdown("terminating connection due to administrator command")
-    assert lost_connection(OperationalError("x", {}, shut)) and lost_connection(shut)
-    assert lost_connection(psycopg.OperationalError("consuming input failed: server closed the connection"))
-    assert not lost_connection(IntegrityError("x", {}, psycopg.errors.UniqueViolation("duplicate key")))
-    assert not lost_connection(OperationalError("x", {}, psycopg.errors.QueryCanceled("canceling statement")))
-    assert not lost_connection(ValueError("terminating connection"))
+    assert lost_connection(_killed_mid_statement(pg_settings.database_url))
+    url = pg_settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(url, autocommit=True) as raw, psycopg.connect(url, autocommit=True) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", (raw.info.backend_pid,))
+        with pytest.raises(psycopg.Error) as raised:
+            raw.execute("SELECT 1")
+    assert lost_connection(raised.value)  # a raw cursor's (the COPY's): by its SQLSTATE, 57P01
+    engine = create_engine(pg_settings.database_url)
+    try:
+        for statement in (
+            "DO $$ BEGIN RAISE EXCEPTION 'remote ledger unreachable' USING ERRCODE = '08001'; END $$",
+            "SET statement_timeout = 1; SELECT pg_sleep(1)",
+            "SELECT 1/0",
+        ):
+            with engine.connect() as connection, pytest.raises(Exception) as healthy:
+                connection.execute(text(statement))
+            assert not lost_connection(healthy.value), statement
+    finally:
+        engine.dispose()
+
+
+def test_a_remote_server_a_host_trigger_cannot_reach_fails_that_signal_alone(pg_settings: Settings) -> None:
+    """SQLSTATE 08001 raised on a healthy session (a host trigger's dblink to a remote
+    server that is down) is that signal's error: the others claimed with it are done."""
+    from sqlalchemy import text
+
+    with session_scope(pg_settings) as session:
+        session.execute(
+            text(
+                "CREATE FUNCTION remote_ledger() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                "IF NEW.user_id = 'poison' THEN RAISE EXCEPTION 'remote ledger unreachable' USING ERRCODE = '08001'; "
+                "END IF; RETURN NEW; END $$"
+            )
+        )
+        session.execute(
+            text(
+                "CREATE TRIGGER remote_ledger BEFORE INSERT ON usermemories "
+                "FOR EACH ROW EXECUTE FUNCTION remote_ledger()"
+            )
+        )
+    try:
+        ids = {
+            user: enqueue_signal("session_end", user, said("My favorite color is blue"), settings=pg_settings).signal_id
+            for user in ("alice", "poison", "bob")
+        }
+        report = process_pending(pg_settings)
+        assert (report.processed, report.failed) == (2, 1)
+        assert signal_row(pg_settings, ids["poison"]).status == "failed"
+        assert {signal_row(pg_settings, ids[u]).status for u in ("alice", "bob")} == {"done"}
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(text("DROP TRIGGER remote_ledger ON usermemories"))
+            session.execute(text("DROP FUNCTION remote_ledger()"))
 
 
 def test_permanent_model_error_goes_dead_for_an_operator(
