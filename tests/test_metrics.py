@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -394,6 +395,7 @@ def test_a_detached_worker_keeps_its_metrics_directory_until_it_stops_even_cold(
             return None
         return pid if os.path.exists(f"/proc/{pid}") else None
 
+    pid: int | None = None
     try:
         deadline = time.monotonic() + 90
         while "dream_signals_processed_total" not in page():
@@ -413,14 +415,15 @@ def test_a_detached_worker_keeps_its_metrics_directory_until_it_stops_even_cold(
         assert own.is_dir() and any(own.glob("*.db"))
         assert "dream_signals_processed_total" in page()
         os.kill(pid, signal.SIGQUIT)
+        # By the process, not its pidfile: Celery removes that before the process is done.
         deadline = time.monotonic() + 60
-        while running() and time.monotonic() < deadline:
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
         # Detached, it is no child of ours: never left behind, whatever failed above.
-        left = running()
-        if left is not None:
-            os.killpg(os.getpgid(left), signal.SIGKILL)
+        for left in {running(), pid} - {None}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(left), signal.SIGKILL)  # type: ignore[arg-type]
     assert not own.exists(), sorted(p.name for p in own.iterdir())
 
 
