@@ -352,13 +352,25 @@ def test_a_worker_removes_the_metrics_directory_it_made_and_those_nobody_holds(
             worker.send_signal(getattr(signal, stop))
             assert worker.wait(timeout=60) == 0, log.read_text(errors="replace")[-3000:]
         finally:
-            if worker.poll() is None:
+            # Its whole process group (its pool children too), whatever failed above.
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait(timeout=10)
+            worker.wait(timeout=10)
     finally:
         os.close(holder)
     assert not own.exists()
     assert _metrics_dirs(temp) == {d.name for d in kept}
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The processes whose command line holds ``text`` (a path unique to one test)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
 
 
 def test_a_detached_worker_keeps_its_metrics_directory_until_it_stops_even_cold(
@@ -398,8 +410,9 @@ def test_a_detached_worker_keeps_its_metrics_directory_until_it_stops_even_cold(
     pid: int | None = None
     try:
         deadline = time.monotonic() + 90
-        while "dream_signals_processed_total" not in page():
-            assert time.monotonic() < deadline, "the detached worker never served /metrics"
+        while "dream_signals_processed_total" not in page() or running() is None:
+            # (Under load its page can be up before its pidfile is written.)
+            assert time.monotonic() < deadline, "the detached worker never served /metrics, or wrote no pidfile"
             time.sleep(0.3)
         pid = running()
         assert pid is not None
@@ -420,10 +433,11 @@ def test_a_detached_worker_keeps_its_metrics_directory_until_it_stops_even_cold(
         while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
-        # Detached, it is no child of ours: never left behind, whatever failed above.
-        for left in {running(), pid} - {None}:
+        # Detached, it is no child of ours, and left behind it would take the next tests'
+        # signals: every process started with this test's pidfile goes, whatever failed.
+        for left in _processes_naming(str(pidfile)):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(os.getpgid(left), signal.SIGKILL)  # type: ignore[arg-type]
+                os.kill(left, signal.SIGKILL)
     assert not own.exists(), sorted(p.name for p in own.iterdir())
 
 
