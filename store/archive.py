@@ -28,6 +28,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     ColumnElement,
     DateTime,
     MetaData,
@@ -52,7 +53,6 @@ from store.memories import (
     archive_rows,
     bytes_of,
     host_columns,
-    json_column_names,
     one_entry,
     quoted_name,
     record_events,
@@ -268,8 +268,7 @@ class _Writer:
         self.postgres = session.get_bind().dialect.name == "postgresql"
         self._live: Table | None = None
         self._host_columns: list[str] | None = None
-        self._json_types: dict[str, str] | None = None
-        self._json_columns: set[str] | None = None
+        self._reflected: list[Any] | None = None
 
     @property
     def count(self) -> int:
@@ -323,9 +322,7 @@ class _Writer:
         if self._host_columns is None:
             # Not the columns the database makes itself (generated, or an identity it
             # always assigns): it refuses a value for them, and makes them again.
-            self._host_columns = [
-                column["name"] for column in host_columns(self.session, self.table) if not _made_by_database(column)
-            ]
+            self._host_columns = [column["name"] for column in self._columns() if not _made_by_database(column)]
         columns = [name for name in self._host_columns if name in data]
         if self.postgres:
             name, names, archived = self._pg_archived(columns)
@@ -351,17 +348,15 @@ class _Writer:
         quote = self.session.get_bind().dialect.identifier_preparer.quote
         name = quoted_name(self.session, self.table)
         names = ", ".join(quote(column) for column in columns)
-        if self._json_columns is None:  # once per restore: its one transaction
-            self._json_columns = set(json_column_names(self.session, self.table))
-        json_columns = self._json_columns
+        json_types = self._json_types()
         tag = "'" + SQL_NULL_KEY.replace("'", "''") + "'"
         picked = []
         for column in columns:
-            if column in json_columns:
+            if column in json_types:
                 key = "'" + column.replace("'", "''") + "'"
                 picked.append(
                     f"CASE WHEN COALESCE(r.row -> {tag}, '[]'::jsonb) ? {key} THEN NULL "
-                    f"ELSE CAST(r.row -> {key} AS {self._json_type(column)}) END"
+                    f"ELSE CAST(r.row -> {key} AS {json_types[column]}) END"
                 )
             else:
                 picked.append(f"p.{quote(column)}")
@@ -371,13 +366,17 @@ class _Writer:
         )
         return name, names, archived
 
-    def _json_type(self, column: str) -> str:
-        if self._json_types is None:
-            dialect = self.session.get_bind().dialect
-            self._json_types = {
-                c["name"]: str(c["type"].compile(dialect)) for c in host_columns(self.session, self.table)
-            }
-        return self._json_types.get(column, "JSONB")
+    def _columns(self) -> list[Any]:
+        """The host table's columns as the catalog has them, read once per restore (its
+        one transaction)."""
+        if self._reflected is None:
+            self._reflected = list(host_columns(self.session, self.table))
+        return self._reflected
+
+    def _json_types(self) -> dict[str, str]:
+        """The JSON columns' names and their SQL types (``JSON`` or ``JSONB``)."""
+        dialect = self.session.get_bind().dialect
+        return {c["name"]: str(c["type"].compile(dialect)) for c in self._columns() if isinstance(c["type"], JSON)}
 
     def _done(self, data: dict[str, Any], *, recalls: int | None = None) -> None:
         self.done.append(Removed(data["id"], data["user_id"], data["key"]))

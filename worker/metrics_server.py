@@ -125,9 +125,7 @@ def _in_use(directory: Path) -> bool:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
+    except OSError:  # held (BlockingIOError), or not lockable: in use, as far as we know
         return True
     finally:
         os.close(fd)  # the lock, if taken, goes with it
