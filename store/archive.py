@@ -52,11 +52,14 @@ from store.memories import (
     Removed,
     archive_rows,
     bytes_of,
+    for_text,
     host_columns,
     one_entry,
     quoted_name,
     record_events,
     remove_entries,
+    sql_identifier,
+    sql_string,
 )
 from store.models import ArchivedEntry, Event, Run, Signal
 from store.types import db_now, naive_utc, now
@@ -296,12 +299,8 @@ class _Writer:
         columns = [name for name in OVERWRITTEN_COLUMNS if name in data]
         if self.postgres:
             name, names, archived = self._pg_archived(columns)
-            quote = self.session.get_bind().dialect.identifier_preparer.quote
             result = self.session.execute(
-                text(
-                    f"UPDATE {name} SET ({names}) = ({archived}) "
-                    f"WHERE {quote('user_id')} = :user_id AND {quote('id')} = :id"
-                ),
+                text(f"UPDATE {name} SET ({names}) = ({archived}) WHERE user_id = :user_id AND id = :id"),
                 {"archive_id": archive_id, "user_id": data["user_id"], "id": data["id"]},
             )
         else:
@@ -345,15 +344,17 @@ class _Writer:
         the JSON value ``null`` stays ``null``, and it is SQL NULL where the archive says
         it was (``SQL_NULL_KEY``; in an archive row written before the key, a null
         is the JSON value, where it could have been either)."""
-        quote = self.session.get_bind().dialect.identifier_preparer.quote
         name = quoted_name(self.session, self.table)
-        names = ", ".join(quote(column) for column in columns)
+        # The host's column names are whatever it chose (``:tag``, ``50% off``): quoted
+        # and escaped for ``text()``.
+        quote = _text_identifier
+        names = ", ".join(map(quote, columns))
         json_types = self._json_types()
-        tag = "'" + SQL_NULL_KEY.replace("'", "''") + "'"
+        tag = for_text(sql_string(SQL_NULL_KEY))
         picked = []
         for column in columns:
             if column in json_types:
-                key = "'" + column.replace("'", "''") + "'"
+                key = for_text(sql_string(column))
                 picked.append(
                     f"CASE WHEN COALESCE(r.row -> {tag}, '[]'::jsonb) ? {key} THEN NULL "
                     f"ELSE CAST(r.row -> {key} AS {json_types[column]}) END"
@@ -440,3 +441,7 @@ def _clash(table: Table, row: dict[str, Any]) -> Any:
         owner = table.c.source_agent_id.is_(None) if agent is None else table.c.source_agent_id == agent
         taken = and_(same_key, table.c.visibility != "global", owner)
     return same_id | taken
+
+
+def _text_identifier(name: str) -> str:
+    return for_text(sql_identifier(name))

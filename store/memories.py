@@ -87,6 +87,26 @@ def quoted_name(session: Session, table: Table) -> str:
     return str(session.get_bind().dialect.identifier_preparer.format_table(table))
 
 
+def sql_identifier(name: str) -> str:
+    """A column's name, as the host spelled it, quoted for SQL text that SQLAlchemy
+    compiles (``literal_column``): a percent sign is left single, since the statement
+    doubles it for the driver (the dialect's own quoting doubles it too: twice is a
+    different name)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def sql_string(value: str) -> str:
+    """A string literal for SQL text that SQLAlchemy compiles (see :func:`sql_identifier`)."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+def for_text(fragment: str) -> str:
+    """An identifier or a literal made for SQL text (:func:`sql_identifier`,
+    :func:`sql_string`) as ``text()`` takes it: a colon escaped, or ``:name`` in a
+    host's column name would be read as a parameter."""
+    return fragment.replace(":", "\\:")
+
+
 #: In an archived row (PostgreSQL): the names of its JSON columns that held SQL NULL
 #: (``to_jsonb`` makes SQL NULL and the JSON value ``null`` alike; a restore puts back
 #: which it was). Longer than PostgreSQL's 63 bytes for a name: no column can be called so.
@@ -99,14 +119,13 @@ def whole_row(session: Session, table: Table) -> ColumnElement[Any]:
     :data:`SQL_NULL_KEY` (only then: the key costs a rebuilt object per row, and most
     rows have none)."""
     name = quoted_name(session, table)
-    quote = session.get_bind().dialect.identifier_preparer.quote
-    nullable = [(f"{name}.{quote(c)}", c.replace("'", "''")) for c in json_column_names(session, table)]
+    nullable = [(f"{name}.{sql_identifier(c)}", sql_string(c)) for c in json_column_names(session, table)]
     if not nullable:
         return func.to_jsonb(literal_column(name))
     any_null = " OR ".join(f"{ref} IS NULL" for ref, _ in nullable)
-    names = ", ".join(f"CASE WHEN {ref} IS NULL THEN '{lit}' END" for ref, lit in nullable)
+    names = ", ".join(f"CASE WHEN {ref} IS NULL THEN {lit} END" for ref, lit in nullable)
     return literal_column(
-        f"CASE WHEN {any_null} THEN to_jsonb({name}) || jsonb_build_object('{SQL_NULL_KEY}', "
+        f"CASE WHEN {any_null} THEN to_jsonb({name}) || jsonb_build_object({sql_string(SQL_NULL_KEY)}, "
         f"to_jsonb(array_remove(ARRAY[{names}]::text[], NULL))) ELSE to_jsonb({name}) END"
     )
 
@@ -135,10 +154,9 @@ def whole_columns(session: Session, table: Table) -> list[ColumnElement[Any]]:
     whatever type they declare: that is what a restore writes back, so a day, a time or
     a decimal comes back exactly as it was."""
     dialect = session.get_bind().dialect
-    preparer = dialect.identifier_preparer
     extra = [
         literal_column(
-            f"{quoted_name(session, table)}.{preparer.quote(column['name'])}",
+            f"{quoted_name(session, table)}.{sql_identifier(column['name'])}",
             NullType() if dialect.name == "sqlite" else column["type"],
         ).label(column["name"])
         for column in host_columns(session, table)

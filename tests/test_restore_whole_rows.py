@@ -441,3 +441,54 @@ def test_an_archive_row_from_before_the_null_tag_restores_its_null_as_the_json_v
         restore_run(session, table_for(settings), outcome.run_id)
         back = session.execute(text("SELECT value IS NULL, value::text FROM usermemories WHERE user_id = 'u1'"))
         assert tuple(back.one()) == (False, "null")
+
+
+#: Host column names SQL text can mistake for something else: a bind parameter
+#: (``:name``), a driver's placeholder (``%s``, ``%(x)s``), a quote, a backslash.
+ODD_COLUMNS = (":tag", "50% off", "%(x)s", "a:b", 'say "hi"', "it's", "back\\slash", "?", "::x")
+
+
+def _odd(column: str) -> str:
+    """The column's name quoted, in SQL text (``text()``: a colon escaped)."""
+    return '"' + column.replace('"', '""').replace(":", "\\:") + '"'
+
+
+@pytest.fixture()
+def odd_host_settings(store_settings: Settings) -> Iterator[Settings]:
+    """The memory table with host columns whose names SQL text can misread."""
+    with session_scope(store_settings) as session:
+        for column in ODD_COLUMNS:
+            kind = "JSONB" if column.startswith("%") else "TEXT"  # a JSON column is named in the archive's rows
+            session.execute(text(f"ALTER TABLE usermemories ADD COLUMN {_odd(column)} {kind}"))
+    dispose_engines()
+    yield store_settings
+    if store_settings.database_url.startswith("postgresql"):
+        with session_scope(store_settings) as session:
+            for column in ODD_COLUMNS:
+                session.execute(text(f"ALTER TABLE usermemories DROP COLUMN {_odd(column)}"))
+        dispose_engines()
+
+
+def test_host_columns_with_odd_names_are_archived_and_put_back(odd_host_settings: Settings) -> None:
+    settings = odd_host_settings
+    seed(settings, [entry("u1", "stale", "old", age_days=300), entry("u2", "stale", "old", age_days=300)])
+    with session_scope(settings) as session:
+        for index, column in enumerate(ODD_COLUMNS):
+            value = f"value {index}" if not column.startswith("%") else json.dumps(f"value {index}")
+            session.execute(text(f"UPDATE usermemories SET {_odd(column)} = :v"), {"v": value})
+    columns = ", ".join(map(_odd, ODD_COLUMNS))
+
+    def stored() -> list[tuple[Any, ...]]:
+        with session_scope(settings) as session:
+            return [tuple(r) for r in session.execute(text(f"SELECT user_id, {columns} FROM usermemories ORDER BY 1"))]
+
+    before = stored()
+    assert len(before) == 2 and None not in before[0] + before[1]
+    outcomes = [dream_user(settings, "u1"), *dream_users(settings, ["u2"])]
+    assert [o.entries_pruned for o in outcomes] == [1, 1]
+    assert stored() == []
+    for outcome in outcomes:
+        assert outcome.run_id is not None
+        with session_scope(settings) as session:
+            assert restore_run(session, table_for(settings), outcome.run_id).restored == 1
+    assert stored() == before
