@@ -106,6 +106,28 @@ def lease_ttl(settings: Settings) -> timedelta:
     return timedelta(seconds=max(600.0, 4 * settings.llm_timeout_seconds))
 
 
+def rebuild_profiles(settings: Settings, user_ids: Sequence[str]) -> tuple[int, list[str]]:
+    """Rebuild now, outside a dream, the profiles of users whose memory was just changed
+    (a restore); returns the profiles built and the users left to their next dream.
+
+    Each user's profiles are built under the user's dream lease, held by one
+    transaction from the read to the write, as a dream's are: an erasure waits for it
+    and then removes what it wrote, and a user erased first is not brought back. A
+    user whose lease a dream holds is left to that dream (it sees the change at the
+    latest on its next pass)."""
+    if not user_ids or not settings.build_profiles:
+        return 0, []
+    token = str(uuid.uuid4())
+    ttl = lease_ttl(settings)
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        held = [u for u in sorted(set(user_ids)) if locks.acquire(session, u, token, ttl, entries=table)]
+        built = profiles.refresh(session, settings, held, book=book(settings, policy_store.all_configs(session)))
+        for user_id in held:
+            locks.release(session, user_id, token)
+    return sum(len(tokens) for tokens in built.values()), [u for u in user_ids if u not in held]
+
+
 def _budget_line(policies: PolicyBook, run_id: int) -> BudgetLine:
     # The run's total budget: the largest maxCostPerRun among its policies (each
     # agent's own cap is a line of its own, see worker.budget).

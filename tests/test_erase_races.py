@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from store.db import dispose_engines, session_scope
 from store.erase import rows_about
@@ -391,3 +391,53 @@ def test_randomized_erasures_among_workers(pg_settings: Settings, monkeypatch: p
 @pytest.mark.slow
 def test_randomized_erasures_among_workers_long(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     run_rounds(pg_settings, SLOW_ROUNDS, monkeypatch)
+
+
+def test_an_erasure_during_a_restores_profile_rebuild_leaves_no_profile(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `reverie restore` rebuilds the profiles of the users it restored, outside any
+    # dream: an erasure landing while that rebuild builds the text waits for it, and
+    # then removes what it wrote (it wrote the erased user's profile back).
+    from store.models import Profile
+    from tasks import profiles
+    from tasks.dream import rebuild_profiles
+    from tests.dream_seed import entry, seed
+
+    seed(pg_settings, [entry("u1", "home_city", "Lisbon", visibility="global", agent=None)])
+    composing, erased = threading.Event(), threading.Event()
+    compose = profiles.compose
+
+    def slow_compose(*args: Any, **kwargs: Any) -> Any:
+        composing.set()
+        erased.wait(3)  # the erasure may not finish meanwhile: it waits for the lease
+        return compose(*args, **kwargs)
+
+    monkeypatch.setattr(profiles, "compose", slow_compose)
+    result: dict[str, Any] = {}
+
+    def erase() -> None:
+        if composing.wait(WAIT):
+            result.update(erase_user(pg_settings, "u1", wait_seconds=WAIT))
+        erased.set()
+
+    eraser = threading.Thread(target=erase)
+    eraser.start()
+    built, left = rebuild_profiles(pg_settings, ["u1"])
+    eraser.join(WAIT)
+    assert not eraser.is_alive() and erased.is_set()
+    assert (built, left) == (1, []) and result["dream_profiles"] == 1
+    with session_scope(pg_settings) as session:
+        assert session.scalar(select(func.count()).select_from(Profile)) == 0
+        assert not {table: n for table, n in rows_about(session, pg_settings, "u1").items() if n}
+
+
+def test_a_restores_profile_rebuild_leaves_a_user_a_dream_holds_to_that_dream(pg_settings: Settings) -> None:
+    from store import locks
+    from tasks.dream import lease_ttl, rebuild_profiles
+    from tests.dream_seed import entry, seed
+
+    seed(pg_settings, [entry("u1", "home_city", "Lisbon", visibility="global", agent=None)])
+    with session_scope(pg_settings) as session:
+        assert locks.acquire(session, "u1", "a-dream", lease_ttl(pg_settings))
+    assert rebuild_profiles(pg_settings, ["u1"]) == (0, ["u1"])

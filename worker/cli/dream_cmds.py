@@ -169,7 +169,7 @@ def restore(
         else:
             assert signal_id is not None
             result = restore_signal(session, table_for(settings), signal_id)
-    rebuilt = _rebuild_profiles(settings, result.users)
+    rebuilt, left = _rebuild_profiles(settings, result.users)
     what = f"run {run_id}" if run_id is not None else f"signal {signal_id}"
     print(
         f"{what}: restored {result.restored} entries, took out {result.removed_inserts} it wrote"
@@ -180,22 +180,17 @@ def restore(
             else ""
         )
         + (f"; {rebuilt} profiles rebuilt" if rebuilt else "")
+        + (f"; the profiles of {len(left)} users are left to their next dream (busy now)" if left else "")
     )
 
 
-def _rebuild_profiles(settings: Settings, users: Sequence[str]) -> int:
+def _rebuild_profiles(settings: Settings, users: Sequence[str]) -> tuple[int, list[str]]:
     """The profiles of users a restore changed, rebuilt now rather than by a dream (one
-    soon would also summarize restored originals again, and pay for it); how many."""
-    if not users or not settings.build_profiles:
-        return 0
-    from store import policies as policy_store
-    from store.db import session_scope
-    from tasks import profiles
-    from worker.policy import book
+    soon would also summarize restored originals again, and pay for it): how many, and
+    the users left to their next dream (a dream holds them now)."""
+    from tasks.dream import rebuild_profiles
 
-    with session_scope(settings) as session:
-        built = profiles.refresh(session, settings, users, book=book(settings, policy_store.all_configs(session)))
-    return sum(len(tokens) for tokens in built.values())
+    return rebuild_profiles(settings, users)
 
 
 @policy_app.command("set")
