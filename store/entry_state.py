@@ -70,8 +70,10 @@ def _is_pg(session: Session) -> bool:
     return session.get_bind().dialect.name == "postgresql"
 
 
-def observe_recalls(session: Session, table: Table, users: str | Collection[str], at: datetime) -> None:
-    """Record the users' current ``access_count`` per entry, noting growth as a recall (one statement).
+def observe_recalls(session: Session, table: Table, users: str | Collection[str], at: datetime) -> set[str]:
+    """Record the users' current ``access_count`` per entry, noting growth as a recall
+    (one statement); returns the users with a recall recorded at ``at`` (their entries
+    rank anew in their profiles).
 
     Only entries with a count, or with a state row already, are written, and a state
     row only when its count changed: an entry never recalled needs no row (no row reads
@@ -96,17 +98,21 @@ def observe_recalls(session: Session, table: Table, users: str | Collection[str]
     statement = dialect_insert(EntryState).from_select(columns, source)
     excluded = statement.excluded
     grew = excluded.access_count_seen > EntryState.access_count_seen
-    session.execute(
-        statement.on_conflict_do_update(
-            index_elements=[EntryState.user_id, EntryState.entry_id],
-            set_={
-                "last_recalled_at": case((grew, excluded.seen_at), else_=EntryState.last_recalled_at),
-                "access_count_seen": excluded.access_count_seen,
-                "seen_at": excluded.seen_at,
-            },
-            where=EntryState.access_count_seen != excluded.access_count_seen,
-        )
-    )
+    written = statement.on_conflict_do_update(
+        index_elements=[EntryState.user_id, EntryState.entry_id],
+        set_={
+            "last_recalled_at": case((grew, excluded.seen_at), else_=EntryState.last_recalled_at),
+            "access_count_seen": excluded.access_count_seen,
+            "seen_at": excluded.seen_at,
+        },
+        where=EntryState.access_count_seen != excluded.access_count_seen,
+    ).returning(EntryState.user_id, EntryState.last_recalled_at)
+    if _is_pg(session):
+        # Only the users come back, once each (a first look writes a row per recalled entry).
+        done = written.cte(query_name("observed"))
+        recalled_now = done.c.last_recalled_at == literal(at, EntryState.last_recalled_at.type)
+        return set(session.scalars(select(done.c.user_id).where(recalled_now).distinct()))
+    return {user_id for user_id, recalled_at in session.execute(written) if recalled_at == at}
 
 
 def mark_restored(session: Session, entries: Collection[tuple[str, str, int]], at: datetime) -> None:
@@ -226,6 +232,6 @@ def prunable_where(
     return condition
 
 
-def observe_access_counts(session: Session, table: Table, *, user_ids: Collection[str], at: datetime) -> None:
+def observe_access_counts(session: Session, table: Table, *, user_ids: Collection[str], at: datetime) -> set[str]:
     """:func:`observe_recalls` for several users (a look taken at ``at``)."""
-    observe_recalls(session, table, list(user_ids), at)
+    return observe_recalls(session, table, list(user_ids), at)

@@ -49,6 +49,7 @@ from store.bulk import insert_rows
 from store.db import SQLITE_HASH, driver_cursor
 from store.entry_state import prunable_where, users_in
 from store.models import PG_MODEL_WRITTEN, SQLITE_MODEL_WRITTEN, EntryState, Profile, query_name
+from store.types import naive_utc
 
 #: ``agent_id`` of the agent-less profile (shared entries only: global ones and the self ones no agent owns).
 NO_AGENT = ""
@@ -61,6 +62,12 @@ class Fingerprint:
     recalls: int = 0
     conflicted: int = 0
     content: int = 0
+
+    def __post_init__(self) -> None:
+        # As stored (naive UTC), whatever the host's column: a ``timestamptz`` one reads
+        # with a zone, and would never equal the stored one.
+        if self.updated_at is not None and self.updated_at.tzinfo is not None:
+            object.__setattr__(self, "updated_at", naive_utc(self.updated_at))
 
     @classmethod
     def of(cls, rows: Sequence[Any]) -> Fingerprint:
@@ -304,7 +311,10 @@ def compare_fingerprints(
         )
         for row in session.execute(
             _current_fingerprints(
-                table, among(session, table.c.user_id, users), content_hash(session, table, last_access_column)
+                table,
+                among(session, table.c.user_id, users),
+                content_hash(session, table, last_access_column),
+                finite=session.get_bind().dialect.name == "postgresql",
             )
         )
     }
@@ -320,13 +330,15 @@ def compare_fingerprints(
 
 
 def _current_fingerprints(
-    rows: FromClause, of_users: ColumnElement[bool] | None, hashed: ColumnElement[Any]
+    rows: FromClause, of_users: ColumnElement[bool] | None, hashed: ColumnElement[Any], *, finite: bool = False
 ) -> Select[Any]:
-    """Each of the users' fingerprint now, from their rows (one row per user with rows)."""
+    """Each of the users' fingerprint now, from their rows (one row per user with rows).
+    ``finite``: the latest ``updated_at`` as a time Python holds (:func:`_finite`)."""
+    latest: ColumnElement[Any] = func.max(rows.c.updated_at)
     stmt = select(
         rows.c.user_id.label("user_id"),
         func.count().label("rows"),
-        func.max(rows.c.updated_at).label("updated_at"),
+        (_finite(latest) if finite else latest).label("updated_at"),
         func.sum(func.coalesce(rows.c.access_count, 0)).label("recalls"),
         func.sum(case((rows.c.conflicted.is_(True), 1), else_=0)).label("conflicted"),
         func.sum(hashed).label("content"),
@@ -391,7 +403,7 @@ def _pg_build_sql(
         array=True,
     )
     current = _current_fingerprints(
-        table, table.c.user_id == any_(ids), _pg_content_hash(table, last_access_column)
+        table, table.c.user_id == any_(ids), _pg_content_hash(table, last_access_column), finite=True
     ).subquery(_CURRENT)
     built = _stored_fingerprints(Profile.user_id == any_(ids)).subquery(_BUILT)
     user_id = func.coalesce(current.c.user_id, built.c.user_id)
@@ -503,14 +515,14 @@ def _build_statement(
     time Python holds (PostgreSQL's ``-infinity``, a host's usual "never", as NULL;
     ``infinity`` as the last day Python's times reach), for rows ranked in Python."""
     recalled: ColumnElement[Any] = EntryState.__table__.c.last_recalled_at
+    created_at: ColumnElement[Any] = table.c.created_at
+    updated_at: ColumnElement[Any] = table.c.updated_at
+    if finite:
+        created_at, updated_at = _finite(created_at).label("created_at"), _finite(updated_at).label("updated_at")
     if last_access_column:
         accessed: ColumnElement[Any] = table.c[last_access_column]
         if finite:
-            accessed = case(
-                (func.isfinite(accessed), accessed),
-                (accessed > func.now(), literal(_LAST_DAY, accessed.type)),
-                else_=null(),
-            )
+            accessed = _finite(accessed)
         recalled = case(
             (EntryState.last_recalled_at.is_(None), accessed),
             (or_(accessed.is_(None), accessed < EntryState.last_recalled_at), EntryState.last_recalled_at),
@@ -527,8 +539,8 @@ def _build_statement(
             table.c.conflicted,
             table.c.id,
             table.c.access_count,
-            table.c.created_at,
-            table.c.updated_at,
+            created_at,
+            updated_at,
             recalled.label("last_recalled_at"),
             (null() if hashed is None else hashed).label("content_hash"),
             _flag(stale).label("stale"),
@@ -543,6 +555,17 @@ def _build_statement(
 #: ``infinity`` as Python reads it: a day short of the last one, so no time zone's offset
 #: takes it past the year 9999.
 _LAST_DAY = datetime(9999, 12, 30)
+
+
+def _finite(stamp: ColumnElement[Any]) -> ColumnElement[Any]:
+    """A host's time as one Python holds (PostgreSQL): ``-infinity``, a host's usual
+    "never", as NULL, and ``infinity`` as the last day Python's times reach (the driver
+    refuses to read either: one such row would stop its whole chunk's build)."""
+    return case(
+        (func.isfinite(stamp), stamp),
+        (stamp > func.now(), literal(_LAST_DAY, stamp.type)),
+        else_=null(),
+    )
 
 
 def _flag(condition: ColumnElement[bool]) -> ColumnElement[bool]:

@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
@@ -31,7 +32,7 @@ from tasks import profiles
 from tasks.contradictions import ContradictionCounts, detect, detect_many
 from tasks.leases import LeaseKeeper
 from tasks.profile_writer import ProfileWriter
-from tasks.prune import prune_user, prune_users
+from tasks.prune import Pruned, prune_user, prune_users
 from tasks.summarize import SummaryCounts, summarize_user
 from worker import budget, metrics
 from worker.errors import (
@@ -70,12 +71,17 @@ class RunOutcome:
     error: str | None = None
     # Profiles written for the user by this run (0: their memory had not changed).
     profiles_built: int = 0
+    #: The run's prune recorded a recall: the user's entries rank anew.
+    recalls_recorded: bool = False
 
     @property
     def changed_memory(self) -> bool:
-        """Whether the run's own committed work changed the user's rows."""
+        """Whether the run's own committed work changed the user's rows, or how they rank
+        (a recall it recorded: one counted after the last build read the rows moves no
+        row's fingerprint by the time it is recorded)."""
         return bool(
-            self.entries_pruned
+            self.recalls_recorded
+            or self.entries_pruned
             or self.contradictions_found
             or self.contradictions_resolved
             or self.entries_summarized
@@ -265,7 +271,8 @@ def _prune_and_detect(
         found = detect(session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id)
         # Last, so the lease's row is locked only for the commit: a lost lease rolls it all back.
         keeper.hold(session, user_id)
-    outcome.entries_pruned = pruned
+    outcome.entries_pruned = pruned.removed[user_id]
+    outcome.recalls_recorded = user_id in pruned.recalled
     outcome.contradictions_found = found.found
     outcome.contradictions_resolved = found.resolved
 
@@ -330,10 +337,32 @@ def _build_profiles(
     except (TransientError, DatabaseUnavailable):
         raise
     except Exception as exc:
+        if len(outcomes) == 1:
+            user_id = next(iter(outcomes))
+            log.error(
+                "dream.profiles_failed", user=user_ref(user_id, settings.log_hash_key), error_type=type(exc).__name__
+            )
+            return None
+        # Each user on their own now: one user's rows (a value no code foresaw) must not
+        # keep the others' profiles from being built, pass after pass.
         log.error("dream.profiles_failed", users=len(outcomes), error_type=type(exc).__name__)
-        return None
+        return _build_one_by_one(settings, outcomes, policies, keeper)
     metrics.PROFILE_BUILD_DURATION.observe(time.monotonic() - started)
     return composed
+
+
+def _build_one_by_one(
+    settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook, keeper: LeaseKeeper
+) -> profiles.Composed | None:
+    """:func:`_build_profiles` for each user alone (after the chunk's build failed)."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    only: dict[str, set[str]] = {}
+    for user_id, outcome in outcomes.items():
+        mine = _build_profiles(settings, {user_id: outcome}, policies, keeper)
+        if mine is not None:
+            rows.update(mine.rows)
+            only.update(mine.only)
+    return profiles.Composed(rows, only) if rows else None
 
 
 def _save_profiles(session: Session, composed: profiles.Composed, held: Collection[str]) -> list[str]:
@@ -560,14 +589,15 @@ class _Chunk:
             self._one_by_one()
             return
         for user_id, outcome in self.outcomes.items():
-            if user_id not in pruned:
+            if user_id not in pruned.removed:
                 _fail(outcome, LeaseLost(user_ref(user_id, self.settings.log_hash_key)))
                 continue
-            outcome.entries_pruned = pruned[user_id]
+            outcome.entries_pruned = pruned.removed[user_id]
+            outcome.recalls_recorded = user_id in pruned.recalled
             outcome.contradictions_found = found[user_id].found
             outcome.contradictions_resolved = found[user_id].resolved
 
-    def _prune_held(self, run_ids: dict[str, int]) -> tuple[dict[str, int], dict[str, ContradictionCounts]]:
+    def _prune_held(self, run_ids: dict[str, int]) -> tuple[Pruned, dict[str, ContradictionCounts]]:
         """Prune and detect for the users whose lease still holds, in one transaction; a
         lease found lost at its end rolls it back, and it is done again without that user."""
         while True:

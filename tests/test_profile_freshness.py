@@ -1,0 +1,145 @@
+"""A profile follows its user's memory whatever the host's table holds and whenever a
+change lands: a recall counted while a dream runs, a time PostgreSQL calls infinity, a
+table whose times carry a zone (real PostgreSQL)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+from sqlalchemy import text as sql_text
+
+from store import profiles as profile_store
+from store.db import dispose_engines, session_scope
+from store.memories import table_for
+from store.models import Profile
+from tasks import dream, profiles
+from tests.dream_seed import entry, seed
+from worker.policy import book
+from worker.profiles_reader import get_for_prompt
+from worker.settings import Settings
+
+
+def _global(user_id: str, key: str, value: str, *, age_days: float = 1) -> dict[str, Any]:
+    return entry(user_id, key, value, visibility="global", agent=None, age_days=age_days)
+
+
+def test_a_recall_counted_while_a_dream_runs_reranks_the_profile_at_the_next_dream(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The prune records recalls first; the build reads later. A recall counted between
+    # the two is in the rows the build read (their fingerprint) but not yet in the
+    # recall times it ranked by: the next dream records it, and the ranking moves
+    # though no row does. The profile must follow.
+    settings = pg_settings.model_copy(
+        update={"profile_token_budget": 60, "summarize_interactions": False, "detect_contradictions": False}
+    )
+    rows = [_global("u1", f"fact_{i}", f"value number {i}", age_days=2) for i in range(6)]
+    rows.append(_global("u1", "recalled_fact", "TARGET", age_days=20))
+    seed(settings, rows)
+    assert dream.dream_users(settings, ["u1"])[0].profiles_built == 1
+    assert "TARGET" not in get_for_prompt("u1", settings=settings).text  # the oldest: left out
+
+    table = table_for(settings)
+    summarize = dream._Chunk.summarize
+
+    def recalled_meanwhile(self: Any, *args: Any, **kwargs: Any) -> None:
+        with session_scope(settings) as session:  # the application recalls the entry
+            session.execute(
+                update(table).where(table.c.key == "recalled_fact").values(access_count=table.c.access_count + 1)
+            )
+        summarize(self, *args, **kwargs)
+
+    monkeypatch.setattr(dream._Chunk, "summarize", recalled_meanwhile)
+    dream.dream_users(settings, ["u1"])
+    monkeypatch.setattr(dream._Chunk, "summarize", summarize)
+
+    third = dream.dream_users(settings, ["u1"])[0]
+    assert third.profiles_built == 1
+    shown = get_for_prompt("u1", settings=settings).text
+    assert shown.splitlines()[1] == "- recalled fact: TARGET", shown  # recalled today: first
+    assert dream.dream_users(settings, ["u1"])[0].profiles_built == 0  # and nothing after
+
+
+def test_a_time_postgresql_calls_infinity_stops_no_profile(pg_settings: Settings) -> None:
+    # The driver reads no infinite time: one such row stopped the whole chunk's build, on every pass.
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    seed(settings, [_global("u1", "home_city", "Lisbon"), _global("u2", "home_city", "Porto")])
+    seed(settings, [_global("u3", "home_city", "Faro"), _global("u3", "pet", "cat")])
+    with session_scope(settings) as session:
+        session.execute(sql_text("UPDATE usermemories SET updated_at = 'infinity' WHERE user_id = 'u2'"))
+        session.execute(sql_text("UPDATE usermemories SET created_at = '-infinity' WHERE user_id = 'u3'"))
+    outcomes = dream.dream_users(settings, ["u1", "u2", "u3"])
+    assert [(o.status, o.profiles_built) for o in outcomes] == [("succeeded", 1)] * 3
+    assert "Porto" in get_for_prompt("u2", settings=settings).text
+    assert [o.profiles_built for o in dream.dream_users(settings, ["u1", "u2", "u3"])] == [0, 0, 0]
+    with session_scope(settings) as session:  # the application moves the time back
+        session.execute(sql_text("UPDATE usermemories SET updated_at = now() WHERE user_id = 'u2'"))
+    assert [o.profiles_built for o in dream.dream_users(settings, ["u1", "u2", "u3"])] == [0, 1, 0]
+
+
+@pytest.fixture()
+def zoned_settings(pg_settings: Settings) -> Iterator[Settings]:
+    """A host memory table whose times are ``timestamptz``."""
+    with session_scope(pg_settings) as session:
+        session.execute(sql_text("CREATE TABLE zoned (LIKE usermemories INCLUDING ALL)"))
+        session.execute(
+            sql_text("ALTER TABLE zoned ALTER created_at TYPE timestamptz, ALTER updated_at TYPE timestamptz")
+        )
+    dispose_engines()
+    yield pg_settings.model_copy(update={"memory_table": "zoned"})
+    with session_scope(pg_settings) as session:
+        session.execute(sql_text("DROP TABLE zoned"))
+    dispose_engines()
+
+
+@pytest.mark.parametrize("citus", [False, True], ids=["one-statement", "fingerprints-compared-here"])
+def test_a_table_whose_times_carry_a_zone_rebuilds_nothing_when_nothing_changed(
+    zoned_settings: Settings, monkeypatch: pytest.MonkeyPatch, citus: bool
+) -> None:
+    settings = zoned_settings
+    seed(settings, [_global("u1", "home_city", "Lisbon")])
+    if citus:  # the look Citus takes (any database can): fingerprints compared in Python
+        monkeypatch.setattr(profile_store, "_on_citus", lambda session: True)
+
+    def refresh() -> dict[str, list[int]]:
+        with session_scope(settings) as session:
+            return profiles.refresh(session, settings, ["u1"], book=book(settings, {}))
+
+    assert refresh() == {"u1": [11]}
+    assert refresh() == {}
+    assert refresh() == {}
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        session.execute(update(table).values(value="Porto"))
+    assert refresh() == {"u1": [11]}
+    with session_scope(settings) as session:
+        stored = session.scalar(select(Profile.text).where(Profile.agent_id == ""))
+    assert stored is not None and "Porto" in stored
+
+
+def test_a_user_whose_profile_cannot_be_built_keeps_no_other_user_of_the_chunk_from_theirs(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker import profile_text
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    seed(settings, [_global(u, "home_city", "POISON" if u == "u2" else f"city of {u}") for u in ("u1", "u2", "u3")])
+    shown = profile_text.json_value_text
+
+    def unforeseen(raw: str | None) -> str:
+        if raw and "POISON" in raw:
+            raise ValueError("a value no code foresaw")
+        return shown(raw)
+
+    monkeypatch.setattr(profile_text, "json_value_text", unforeseen)
+    outcomes = dream.dream_users(settings, ["u1", "u2", "u3"])
+    assert [(o.user_id, o.status, o.profiles_built) for o in outcomes] == [
+        ("u1", "succeeded", 1),
+        ("u2", "succeeded", 0),
+        ("u3", "succeeded", 1),
+    ]
+    monkeypatch.setattr(profile_text, "json_value_text", shown)
+    assert [o.profiles_built for o in dream.dream_users(settings, ["u1", "u2", "u3"])] == [0, 1, 0]
