@@ -184,7 +184,7 @@ def lines_of(ranked: Sequence[Entry], count: Counter) -> list[Line]:
 def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: list[int], *, by_lines: bool) -> Built:
     """:func:`build_ranked` of the ranked entries' lines, already counted."""
     total = len(lines)
-    layout = Layout(lines, headers, count(fmt.left_out_line(total)) if total else 0, total)
+    layout = Layout(lines, headers, left_out_tokens(count, total, budget), total)
     if by_lines:
         whole = fmt.whole_if_fits(layout, budget, count)
         if whole is not None:
@@ -203,10 +203,26 @@ def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: lis
         # any other, the whole text's own count decides.
         kept -= 1
         text, tokens = _counted(lines, kept, total, headers, count=count, by_lines=by_lines)
-    if tokens > budget:
+    if tokens > budget or (kept == 0 and fmt.estimate(layout, 0) > budget):
+        # Not even the left-out line alone, where a reader cutting to this budget could
+        # not tell it fits (its count is kept as an upper bound for every number).
         text, tokens = "", 0
     stored = layout if kept == total else Layout(lines[:kept], headers, layout.left_out_tokens, total)
     return Built(text, tokens, budget, kept, total - kept, stored)
+
+
+def left_out_tokens(count: Counter, total: int, budget: int) -> int:
+    """The most tokens the left-out line can take in a profile of ``total`` entries cut
+    to ``budget`` or less, whatever number it shows: a cut keeps at most ``budget``
+    lines (a line takes a token at least), so it leaves out ``total - budget`` to
+    ``total`` of them, and a reader's cut any of those. Not just the count of
+    ``total``'s line: a tokenizer need not count a larger number in more tokens
+    (Anthropic's counts ``(531 more entries left out)`` in 9, and 532's in 8)."""
+    if not total:
+        return 0
+    if isinstance(count, TokenCount):
+        return count.left_out(total, budget)
+    return max(count(fmt.left_out_line(n)) for n in range(max(1, total - budget), total + 1))
 
 
 def _counted(
@@ -374,7 +390,7 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
             shown = seen.of(agent)
             by_model = writer is not None and book.for_agent(agent or None).writes_profiles_with_model
             if whole is not None and not by_model:
-                fits = whole.row(lines, shown, count.recurring, line_json)
+                fits = whole.row(lines, shown, count.left_out, line_json)
                 if fits is not None:
                     out[user_id].append(_row(user_id, agent, fits, tokenizer=tokenizer, at=read.at, print_=print_))
                     continue
@@ -442,10 +458,15 @@ class Whole:
         self._headers_json = json.dumps(headers)
 
     def row(
-        self, lines: Sequence[Line], shown: Sequence[int], count: Counter, line_json: Callable[[], list[str]]
+        self,
+        lines: Sequence[Line],
+        shown: Sequence[int],
+        left_out: Callable[[int, int], int],
+        line_json: Callable[[], list[str]],
     ) -> Fitted | None:
         """The profile of the lines at ``shown`` (indexes of ``lines``, in rank order),
-        or None where it does not fit; ``line_json()``: each line's JSON (``lines[i]``'s at ``i``)."""
+        or None where it does not fit; ``left_out(total, budget)``: :func:`left_out_tokens`;
+        ``line_json()``: each line's JSON (``lines[i]``'s at ``i``)."""
         parts: list[str] = []
         tokens = 0
         current = -1
@@ -463,10 +484,9 @@ class Whole:
         if len(text) > fmt.COUNT_WINDOW_CHARS:
             return None
         total = len(shown)
-        left_out = count(fmt.left_out_line(total)) if total else 0
         layout = (
             f'{{"lines":[{",".join(map(line_json().__getitem__, shown))}],"headers":{self._headers_json},'
-            f'"left_out_line":{left_out},"total":{total},"writer":"deterministic"}}'
+            f'"left_out_line":{left_out(total, self.budget)},"total":{total},"writer":"deterministic"}}'
         )
         return Fitted(text, tokens, self.budget, total, JsonText(layout))
 
@@ -554,6 +574,10 @@ class TokenCount:
         ``RECURRING_TEXTS`` of them, the least recently used let go first."""
         return _recurring_count(self._count, text) if len(text) <= RECURRING_CHARS else self(text)
 
+    def left_out(self, total: int, budget: int) -> int:
+        """:func:`left_out_tokens` (kept per process and tokenizer)."""
+        return _left_out_bound(self._count, max(1, total - budget), total) if total else 0
+
     def lines(self, entries: Sequence[Entry]) -> list[int]:
         """Each entry's line's count (in order): all in one call where the tokenizer
         allows (not kept: a profile's lines are its user's own, counted once per refresh).
@@ -586,6 +610,13 @@ RECURRING_TEXTS = 65_536
 def _recurring_count(count: Counter, text: str) -> int:
     """``count(text)``, kept (a tokenizer's counts never change)."""
     return count(text) if text else 0
+
+
+@lru_cache(maxsize=4096)
+def _left_out_bound(count: Counter, first: int, last: int) -> int:
+    """The most tokens of the left-out lines of ``first`` to ``last`` entries, with
+    ``count``'s own counts, kept (each line's too)."""
+    return max(_recurring_count(count, fmt.left_out_line(n)) for n in range(first, last + 1))
 
 
 def _row(
