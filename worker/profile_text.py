@@ -53,8 +53,8 @@ _SECTION, _TOKENS, _TEXT = itemgetter(0), itemgetter(1), itemgetter(2)
 @dataclass(frozen=True)
 class Layout:
     """What a cut needs: the lines in ranked order, each section header's tokens, the
-    left-out line's tokens (an upper bound: counted with the largest number it can
-    show), and how many entries the profile had in all."""
+    left-out line's tokens (an upper bound: the most any number it can show takes),
+    and how many entries the profile had in all."""
 
     lines: Sequence[Line]
     header_tokens: Sequence[int]
