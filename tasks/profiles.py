@@ -203,9 +203,8 @@ def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: lis
         # any other, the whole text's own count decides.
         kept -= 1
         text, tokens = _counted(lines, kept, total, headers, count=count, by_lines=by_lines)
-    if tokens > budget or (kept == 0 and fmt.estimate(layout, 0) > budget):
-        # Not even the left-out line alone, where a reader cutting to this budget could
-        # not tell it fits (its count is kept as an upper bound for every number).
+    if tokens > budget or kept == 0:
+        # No entry fits: an empty profile (a left-out line alone tells a prompt nothing).
         text, tokens = "", 0
     stored = layout if kept == total else Layout(lines[:kept], headers, layout.left_out_tokens, total)
     return Built(text, tokens, budget, kept, total - kept, stored)

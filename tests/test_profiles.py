@@ -342,6 +342,8 @@ def test_cli_says_why_a_built_profile_is_empty_and_prints_nothing_on_stdout(pg_s
             "agent-b",
         ): "for agent agent-b is empty: the last dream of this user found no entry",
         ("profile", "u3", "--agent", "agent-a", "--budget", "0"): "its entry does not fit in 0 tokens",
+        # Room for the line saying how many were left out, alone: no entry fits all the same.
+        ("profile", "u3", "--agent", "agent-a", "--budget", "8"): "its entry does not fit in 8 tokens",
     }
     for argv, words in cases.items():
         shown = _cli(list(argv), pg_settings)
@@ -352,14 +354,14 @@ def test_cli_says_why_a_built_profile_is_empty_and_prints_nothing_on_stdout(pg_s
         assert "vim" not in shown.stderr
     # Built under a budget that holds none of them: a larger --budget cannot help (a reader
     # only cuts what was built), and the line names the build's budget instead.
-    tiny = pg_settings.model_copy(update={"profile_token_budget": 1})
+    tiny = pg_settings.model_copy(update={"profile_token_budget": 9})
     seed(tiny, [entry("u4", f"pet_{i}", "a cat", visibility="global") for i in range(2)])
     dream_users(tiny, ["u4"])
     for argv in (["profile", "u4"], ["profile", "u4", "--budget", "5000"]):
         shown = _cli(argv, pg_settings)
         assert shown.returncode == 0 and shown.stdout == "", shown.stderr
         assert shown.stderr == (
-            "reverie: user u4's profile is empty: none of its 2 entries fits in the 1 tokens it was built with "
+            "reverie: user u4's profile is empty: none of its 2 entries fits in the 9 tokens it was built with "
             "(REVERIE_PROFILE_TOKEN_BUDGET)\n"
         )
     full = _cli(["profile", "u3", "--agent", "agent-a"], pg_settings)

@@ -125,6 +125,6 @@ def _cut(row: Any, agent_id: str | None, budget: int) -> PromptProfile:
         kept = row.entries_included - 1
     text = assemble(layout.lines[:kept], layout.total - kept)
     tokens = estimate(layout, kept)
-    if tokens > budget:
-        text, tokens = "", 0
+    if tokens > budget or kept == 0:
+        text, tokens = "", 0  # no entry fits (as a build makes it)
     return PromptProfile(row.user_id, agent_id, text, tokens, budget, kept, layout.total - kept, row.built_at)
