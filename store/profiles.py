@@ -53,6 +53,8 @@ from store.types import naive_utc
 
 #: ``agent_id`` of the agent-less profile (shared entries only: global ones and the self ones no agent owns).
 NO_AGENT = ""
+#: The longest agent id a profile can be kept under (``dream_profiles.agent_id``).
+MAX_AGENT_ID: int = Profile.__table__.c.agent_id.type.length  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -555,16 +557,19 @@ def _build_statement(
 #: ``infinity`` as Python reads it: a day short of the last one, so no time zone's offset
 #: takes it past the year 9999.
 _LAST_DAY = datetime(9999, 12, 30)
+#: The first day Python's times reach, a day in (as ``_LAST_DAY``).
+_FIRST_DAY = datetime(1, 1, 2)
 
 
 def _finite(stamp: ColumnElement[Any]) -> ColumnElement[Any]:
-    """A host's time as one Python holds (PostgreSQL): ``-infinity``, a host's usual
-    "never", as NULL, and ``infinity`` as the last day Python's times reach (the driver
-    refuses to read either: one such row would stop its whole chunk's build)."""
+    """A host's time as one Python holds (PostgreSQL): after the year 9999
+    (``infinity`` included) as the last day Python's times reach, and before the year 1
+    (``-infinity``, a host's usual "never", included) as NULL. The driver reads no
+    time outside Python's: one such row would stop its whole chunk's build."""
     return case(
-        (func.isfinite(stamp), stamp),
-        (stamp > func.now(), literal(_LAST_DAY, stamp.type)),
-        else_=null(),
+        (stamp > literal(_LAST_DAY, stamp.type), literal(_LAST_DAY, stamp.type)),
+        (stamp < literal(_FIRST_DAY, stamp.type), null()),
+        else_=stamp,
     )
 
 

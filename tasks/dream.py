@@ -305,6 +305,7 @@ def _refresh_profiles(
         raise
     except Exception as exc:
         log.error("dream.profiles_failed", users=len(users), error_type=type(exc).__name__)
+        metrics.PROFILE_FAILURES.inc(len(users))
         return
     _count_profiles(outcomes, composed, users)
 
@@ -342,6 +343,7 @@ def _build_profiles(
             log.error(
                 "dream.profiles_failed", user=user_ref(user_id, settings.log_hash_key), error_type=type(exc).__name__
             )
+            metrics.PROFILE_FAILURES.inc()
             return None
         # Each user on their own now: one user's rows (a value no code foresaw) must not
         # keep the others' profiles from being built, pass after pass.
@@ -377,7 +379,11 @@ def _save_profiles(session: Session, composed: profiles.Composed, held: Collecti
         raise
     except Exception as exc:
         log.error("dream.profiles_failed", users=len(users), error_type=type(exc).__name__)
-        return []
+        if len(users) == 1:
+            metrics.PROFILE_FAILURES.inc()
+            return []
+        # Each user in a savepoint of their own: one user's rows must not keep the others' out.
+        return [u for u in users if _save_profiles(session, composed, [u])]
     return users
 
 

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 from store import profiles as profile_store
 from store.bulk import JsonText
 from store.memories import table_for
-from store.profiles import CATEGORY_PRIORITY, NO_AGENT, OTHER_CATEGORY_PRIORITY, Fingerprint
+from store.profiles import CATEGORY_PRIORITY, MAX_AGENT_ID, NO_AGENT, OTHER_CATEGORY_PRIORITY, Fingerprint
 from store.types import db_now, naive_utc
 from worker import llm
 from worker import profile_text as fmt
@@ -436,7 +436,9 @@ class Visibility:
                 self.shared.append(i)
             elif entry.owner:
                 self.own.setdefault(entry.owner, []).append(i)
-        self.agents = sorted(owners - {NO_AGENT})
+        # An owner longer than a profile's agent id can be (a host's own column may hold
+        # one) gets no profile of its own: its entries are in no profile.
+        self.agents = sorted(a for a in owners - {NO_AGENT} if len(a) <= MAX_AGENT_ID)
 
     def of(self, agent: str) -> list[int]:
         own = self.own.get(agent) if agent != NO_AGENT else None

@@ -68,16 +68,21 @@ def test_a_time_postgresql_calls_infinity_stops_no_profile(pg_settings: Settings
     settings = pg_settings.model_copy(update={"summarize_interactions": False})
     seed(settings, [_global("u1", "home_city", "Lisbon"), _global("u2", "home_city", "Porto")])
     seed(settings, [_global("u3", "home_city", "Faro"), _global("u3", "pet", "cat")])
+    seed(settings, [_global("u4", "home_city", "Braga"), _global("u5", "home_city", "Evora")])
     with session_scope(settings) as session:
         session.execute(sql_text("UPDATE usermemories SET updated_at = 'infinity' WHERE user_id = 'u2'"))
         session.execute(sql_text("UPDATE usermemories SET created_at = '-infinity' WHERE user_id = 'u3'"))
-    outcomes = dream.dream_users(settings, ["u1", "u2", "u3"])
-    assert [(o.status, o.profiles_built) for o in outcomes] == [("succeeded", 1)] * 3
+        # Finite, and past what Python's times reach, either way.
+        session.execute(sql_text("UPDATE usermemories SET updated_at = '10000-01-01' WHERE user_id = 'u4'"))
+        session.execute(sql_text("UPDATE usermemories SET created_at = '0044-03-15 BC' WHERE user_id = 'u5'"))
+    users = ["u1", "u2", "u3", "u4", "u5"]
+    outcomes = dream.dream_users(settings, users)
+    assert [(o.status, o.profiles_built) for o in outcomes] == [("succeeded", 1)] * 5
     assert "Porto" in get_for_prompt("u2", settings=settings).text
-    assert [o.profiles_built for o in dream.dream_users(settings, ["u1", "u2", "u3"])] == [0, 0, 0]
+    assert [o.profiles_built for o in dream.dream_users(settings, users)] == [0] * 5
     with session_scope(settings) as session:  # the application moves the time back
         session.execute(sql_text("UPDATE usermemories SET updated_at = now() WHERE user_id = 'u2'"))
-    assert [o.profiles_built for o in dream.dream_users(settings, ["u1", "u2", "u3"])] == [0, 1, 0]
+    assert [o.profiles_built for o in dream.dream_users(settings, users)] == [0, 1, 0, 0, 0]
 
 
 @pytest.fixture()
@@ -142,4 +147,59 @@ def test_a_user_whose_profile_cannot_be_built_keeps_no_other_user_of_the_chunk_f
         ("u3", "succeeded", 1),
     ]
     monkeypatch.setattr(profile_text, "json_value_text", shown)
+    assert [o.profiles_built for o in dream.dream_users(settings, ["u1", "u2", "u3"])] == [0, 1, 0]
+
+
+@pytest.fixture()
+def long_agent_settings(pg_settings: Settings) -> Iterator[Settings]:
+    """The memory table's owner column widened by the host (``text``)."""
+    with session_scope(pg_settings) as session:
+        session.execute(sql_text("ALTER TABLE usermemories ALTER source_agent_id TYPE text"))
+    dispose_engines()
+    yield pg_settings.model_copy(update={"summarize_interactions": False})
+    with session_scope(pg_settings) as session:
+        session.execute(sql_text("DELETE FROM usermemories"))
+        session.execute(sql_text("ALTER TABLE usermemories ALTER source_agent_id TYPE varchar(255)"))
+    dispose_engines()
+
+
+def test_an_owner_longer_than_a_profiles_agent_id_gets_none_and_stops_no_other(long_agent_settings: Settings) -> None:
+    settings = long_agent_settings
+    long_agent = "agent-" + "x" * 300
+    seed(
+        settings,
+        [
+            entry("u1", "diagnosis", "private", visibility="self", agent=long_agent),
+            _global("u1", "home_city", "Lisbon"),
+            entry("u2", "editor", "vim", visibility="self", agent="agent-a"),
+        ],
+    )
+    outcomes = dream.dream_users(settings, ["u1", "u2"])
+    assert [(o.status, o.profiles_built) for o in outcomes] == [("succeeded", 1), ("succeeded", 2)]
+    with session_scope(settings) as session:
+        stored = {(u, a): t for u, a, t in session.execute(select(Profile.user_id, Profile.agent_id, Profile.text))}
+    assert set(stored) == {("u1", ""), ("u2", ""), ("u2", "agent-a")}
+    assert "Lisbon" in stored[("u1", "")] and "private" not in "".join(stored.values())
+
+
+def test_a_user_whose_profiles_cannot_be_written_keeps_no_other_user_of_the_chunk_from_theirs(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prometheus_client import REGISTRY
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    seed(settings, [_global(u, "home_city", f"city of {u}") for u in ("u1", "u2", "u3")])
+    replace = profile_store.replace_profiles
+
+    def refused(session: Any, users: Any, rows: Any) -> int:
+        if "u2" in users:
+            raise ValueError("a row the table refuses")
+        return replace(session, users, rows)
+
+    monkeypatch.setattr(profile_store, "replace_profiles", refused)
+    failed = REGISTRY.get_sample_value("dream_profile_build_failures_total") or 0.0
+    outcomes = dream.dream_users(settings, ["u1", "u2", "u3"])
+    assert [(o.status, o.profiles_built) for o in outcomes] == [("succeeded", 1), ("succeeded", 0), ("succeeded", 1)]
+    assert REGISTRY.get_sample_value("dream_profile_build_failures_total") == failed + 1
+    monkeypatch.setattr(profile_store, "replace_profiles", replace)
     assert [o.profiles_built for o in dream.dream_users(settings, ["u1", "u2", "u3"])] == [0, 1, 0]

@@ -173,10 +173,12 @@ def test_budget_is_never_exceeded_and_a_smaller_read_cuts_as_the_builder(
     built = profiles.build(rows, budget, count)
     assert count(built.text) == built.tokens <= budget
     assert built.included + built.left_out == len(rows)
-    if built.left_out:
+    if built.left_out and built.included:
         assert built.text.endswith(
             f"({built.left_out} more {'entry' if built.left_out == 1 else 'entries'} left out)\n"
         )
+    if not built.included:
+        assert built.text == ""  # no entry fits: empty, not a line saying how many were left out
     assert built.text.count("\n- ") + built.text.startswith("- ") == built.included
     # A reader with a smaller budget, with the stored counts only, makes the builder's cut.
     low = int(budget * smaller)

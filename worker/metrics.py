@@ -26,6 +26,10 @@ PROFILE_BUILD_DURATION = Histogram(
 PROFILE_TOKENS = Histogram(
     "dream_profile_tokens", "Tokens of each profile built.", buckets=(50, 100, 250, 500, 1000, 2000, 4000, 8000, 16000)
 )
+PROFILE_FAILURES = Counter(
+    "dream_profile_build_failures_total",
+    "Users whose profiles a dream could not build or write (the old ones stay; the next pass tries again).",
+)
 PROFILE_MODEL_REPLIES = Counter(
     "dream_profile_model_replies_total",
     "Model-written profiles, by what became of the model's answer.",
