@@ -203,3 +203,26 @@ def test_a_user_whose_profiles_cannot_be_written_keeps_no_other_user_of_the_chun
     assert REGISTRY.get_sample_value("dream_profile_build_failures_total") == failed + 1
     monkeypatch.setattr(profile_store, "replace_profiles", replace)
     assert [o.profiles_built for o in dream.dream_users(settings, ["u1", "u2", "u3"])] == [0, 1, 0]
+
+
+def test_numbers_are_shown_with_every_digit_they_were_written_with(pg_settings: Settings) -> None:
+    # A float holds 17 significant digits: a balance of more was shown rounded, in
+    # scientific notation, to the model the prompt goes to.
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    seed(settings, [_global("u1", "account_balance", "x"), _global("u1", "order", "x"), _global("u1", "rate", "x")])
+    with session_scope(settings) as session:
+        for key, value in (
+            ("account_balance", "12345678901234567.89"),
+            ("order", '{"total": 1234567.1234567890123, "items": [1, 2.5]}'),
+            ("rate", "0.1"),
+        ):
+            session.execute(
+                sql_text("UPDATE usermemories SET value = CAST(:v AS jsonb) WHERE key = :k"), {"v": value, "k": key}
+            )
+    dream.dream_users(settings, ["u1"])
+    lines = set(get_for_prompt("u1", settings=settings).text.splitlines())
+    assert {
+        "- account balance: 12345678901234567.89",
+        '- order: {"items":[1,2.5],"total":1234567.1234567890123}',
+        "- rate: 0.1",
+    } <= lines

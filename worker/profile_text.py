@@ -11,10 +11,12 @@ would at that budget. The estimate is an upper bound of the count (see :func:`ed
 from __future__ import annotations
 
 import json
+import math
 import re
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import lru_cache
 from operator import itemgetter
 from typing import Any, NamedTuple
@@ -137,12 +139,38 @@ def json_value_text(raw: str | None) -> str:
         return value_text(None)
     if len(raw) > 1 and raw[0] == raw[-1] == '"' and "\\" not in raw and '"' not in raw[1:-1]:
         return _plain(raw[1:-1], MAX_VALUE_CHARS)
+    inexact = False
+
+    def number(text: str) -> float:
+        # A number a float does not hold exactly (a balance of 17 digits, 1e400): the
+        # value is shown as the database wrote it, digits intact, not as Python would.
+        nonlocal inexact
+        value = float(text)
+        if not inexact and (not math.isfinite(value) or Decimal(repr(value)) != Decimal(text)):
+            inexact = True
+        return value
+
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_float=number)
     except (ValueError, RecursionError):
         # Not JSON, or nested deeper than Python reads: shown as the database gave it.
         return _plain(raw, MAX_VALUE_CHARS)
+    if inexact:
+        return _plain(_compact(raw), MAX_VALUE_CHARS)
     return value_text(value)
+
+
+_JSON_STRING_OR_SPACE = re.compile(r'"(?:[^"\\]|\\.)*"|\s+')
+
+
+def _compact(raw: str) -> str:
+    """JSON text without the spaces between its tokens (its strings as they are)."""
+    return _JSON_STRING_OR_SPACE.sub(_kept_string, raw)
+
+
+def _kept_string(match: re.Match[str]) -> str:
+    found = match.group()
+    return found if found[0] == '"' else ""
 
 
 def entry_line(key: str, value: Any, *, conflicted: bool) -> str:
