@@ -48,7 +48,7 @@ from sqlalchemy.types import NullType
 
 from store.db import has_table, session_scope
 from store.models import ArchivedEntry, Event, memory_table, query_name
-from store.types import naive_utc, now
+from store.types import loadable_columns, naive_utc, now
 from worker.errors import ConfigError, TransientError
 from worker.settings import Settings
 
@@ -546,7 +546,10 @@ def upsert_entry(
     if visibility != "global" and source_agent_id is None:
         _lock_unowned_key(session, table, user_id, key)
     for _ in range(2):
-        existing = session.execute(select(table).where(match).with_for_update()).first()
+        postgres = session.get_bind().dialect.name == "postgresql"
+        existing = session.execute(
+            select(*loadable_columns(table.c, postgres=postgres)).where(match).with_for_update(of=table)
+        ).first()
         if existing is not None:
             return _replace(
                 session,
@@ -638,7 +641,12 @@ def _replace(
 
 def user_entries(session: Session, table: Table, user_id: str, *, lock: bool = False) -> list[Any]:
     """Every entry of one user, oldest first (``lock``: FOR UPDATE on PostgreSQL)."""
-    stmt = select(table).where(table.c.user_id == user_id).order_by(table.c.created_at, table.c.id)
+    postgres = session.get_bind().dialect.name == "postgresql"
+    stmt = (
+        select(*loadable_columns(table.c, postgres=postgres))
+        .where(table.c.user_id == user_id)
+        .order_by(table.c.created_at, table.c.id)
+    )
     if lock:
         stmt = stmt.with_for_update()
     return list(session.execute(stmt).all())
@@ -710,7 +718,7 @@ def contradiction_candidates(
         .where(table.c.user_id.in_(sorted(user_ids)), ~table.c.key.startswith("_gdpr_", autoescape=True))
         .subquery()
     )
-    columns = [inner.c[column.name] for column in table.c]
+    columns = loadable_columns([inner.c[column.name] for column in table.c], postgres=True)  # (PostgreSQL only)
     stmt = (
         select(*columns)
         .where(inner.c.lowest_value != inner.c.highest_value)

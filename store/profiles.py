@@ -33,13 +33,13 @@ from sqlalchemy import (
     delete,
     false,
     func,
-    literal,
     null,
     or_,
     select,
     text,
     true,
     tuple_,
+    update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.engine import Dialect
@@ -49,7 +49,7 @@ from store.bulk import insert_rows
 from store.db import SQLITE_HASH, driver_cursor
 from store.entry_state import prunable_where, users_in
 from store.models import PG_MODEL_WRITTEN, SQLITE_MODEL_WRITTEN, EntryState, Profile, query_name
-from store.types import naive_utc
+from store.types import in_range_time, naive_utc
 
 #: ``agent_id`` of the agent-less profile (shared entries only: global ones and the self ones no agent owns).
 NO_AGENT = ""
@@ -340,7 +340,7 @@ def _current_fingerprints(
     stmt = select(
         rows.c.user_id.label("user_id"),
         func.count().label("rows"),
-        (_finite(latest) if finite else latest).label("updated_at"),
+        (in_range_time(latest) if finite else latest).label("updated_at"),
         func.sum(func.coalesce(rows.c.access_count, 0)).label("recalls"),
         func.sum(case((rows.c.conflicted.is_(True), 1), else_=0)).label("conflicted"),
         func.sum(hashed).label("content"),
@@ -520,11 +520,14 @@ def _build_statement(
     created_at: ColumnElement[Any] = table.c.created_at
     updated_at: ColumnElement[Any] = table.c.updated_at
     if finite:
-        created_at, updated_at = _finite(created_at).label("created_at"), _finite(updated_at).label("updated_at")
+        created_at, updated_at = (
+            in_range_time(created_at).label("created_at"),
+            in_range_time(updated_at).label("updated_at"),
+        )
     if last_access_column:
         accessed: ColumnElement[Any] = table.c[last_access_column]
         if finite:
-            accessed = _finite(accessed)
+            accessed = in_range_time(accessed)
         recalled = case(
             (EntryState.last_recalled_at.is_(None), accessed),
             (or_(accessed.is_(None), accessed < EntryState.last_recalled_at), EntryState.last_recalled_at),
@@ -551,25 +554,6 @@ def _build_statement(
             table.outerjoin(EntryState, and_(EntryState.entry_id == table.c.id, EntryState.user_id == table.c.user_id))
         )
         .where(of_users)
-    )
-
-
-#: ``infinity`` as Python reads it: a day short of the last one, so no time zone's offset
-#: takes it past the year 9999.
-_LAST_DAY = datetime(9999, 12, 30)
-#: The first day Python's times reach, a day in (as ``_LAST_DAY``).
-_FIRST_DAY = datetime(1, 1, 2)
-
-
-def _finite(stamp: ColumnElement[Any]) -> ColumnElement[Any]:
-    """A host's time as one Python holds (PostgreSQL): after the year 9999
-    (``infinity`` included) as the last day Python's times reach, and before the year 1
-    (``-infinity``, a host's usual "never", included) as NULL. The driver reads no
-    time outside Python's: one such row would stop its whole chunk's build."""
-    return case(
-        (stamp > literal(_LAST_DAY, stamp.type), literal(_LAST_DAY, stamp.type)),
-        (stamp < literal(_FIRST_DAY, stamp.type), null()),
-        else_=stamp,
     )
 
 
@@ -663,6 +647,18 @@ def built_from(session: Session, user_ids: Collection[str]) -> dict[str, tuple[F
         )
         for row in session.execute(_stored_fingerprints(among(session, Profile.user_id, users)))
     }
+
+
+def mark_for_rebuild(session: Session, user_ids: Collection[str]) -> None:
+    """Have the users' profiles built again at their next refresh, whatever their rows'
+    fingerprint says: the one their profiles were built from is made one no rows have."""
+    users = sorted(set(user_ids))
+    if users:
+        session.execute(
+            update(Profile)
+            .where(among(session, Profile.user_id, users), Profile.agent_id == NO_AGENT)
+            .values(source_rows=-1)
+        )
 
 
 def replace_agent_profiles(session: Session, pairs: Collection[tuple[str, str]], rows: Iterable[dict[str, Any]]) -> int:

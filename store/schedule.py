@@ -67,6 +67,16 @@ def mark_dirty_many(session: Session, settings: Settings, user_ids: Sequence[str
     )
 
 
+def mark_dirty_known(session: Session, user_ids: Sequence[str], at: datetime) -> None:
+    """Mark users changed at ``at`` (due after the dirty delay, as :func:`mark_dirty_many`
+    does) where they have a schedule row: none is made (a user erased meanwhile stays
+    gone). ``at`` replaces an earlier mark, so a dream under way, which started before
+    ``at``, leaves it for the next one."""
+    users = sorted(set(user_ids))
+    if users:
+        session.execute(update(UserState).where(UserState.user_id.in_(users)).values(dirty_since=at))
+
+
 def due_user_ids(session: Session, at: datetime, limit: int, settings: Settings | None = None) -> list[str]:
     """Up to ``limit`` user ids due at ``at``, in a stable order.
 

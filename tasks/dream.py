@@ -32,7 +32,7 @@ from tasks import profiles
 from tasks.contradictions import ContradictionCounts, detect, detect_many
 from tasks.leases import LeaseKeeper
 from tasks.profile_writer import ProfileWriter
-from tasks.prune import Pruned, prune_user, prune_users
+from tasks.prune import prune_user, prune_users
 from tasks.summarize import SummaryCounts, summarize_user
 from worker import budget, metrics
 from worker.errors import (
@@ -71,17 +71,12 @@ class RunOutcome:
     error: str | None = None
     # Profiles written for the user by this run (0: their memory had not changed).
     profiles_built: int = 0
-    #: The run's prune recorded a recall: the user's entries rank anew.
-    recalls_recorded: bool = False
 
     @property
     def changed_memory(self) -> bool:
-        """Whether the run's own committed work changed the user's rows, or how they rank
-        (a recall it recorded: one counted after the last build read the rows moves no
-        row's fingerprint by the time it is recorded)."""
+        """Whether the run's own committed work changed the user's rows."""
         return bool(
-            self.recalls_recorded
-            or self.entries_pruned
+            self.entries_pruned
             or self.contradictions_found
             or self.contradictions_resolved
             or self.entries_summarized
@@ -119,8 +114,8 @@ def rebuild_profiles(settings: Settings, user_ids: Sequence[str]) -> tuple[int, 
     Each user's profiles are built under the user's dream lease, held by one
     transaction from the read to the write, as a dream's are: an erasure waits for it
     and then removes what it wrote, and a user erased first is not brought back. A
-    user whose lease a dream holds is left to that dream (it sees the change at the
-    latest on its next pass)."""
+    user whose lease a dream holds is marked changed: the dream after it, due after the
+    dirty delay, builds the profiles again."""
     if not user_ids or not settings.build_profiles:
         return 0, []
     token = str(uuid.uuid4())
@@ -131,7 +126,11 @@ def rebuild_profiles(settings: Settings, user_ids: Sequence[str]) -> tuple[int, 
         built = profiles.refresh(session, settings, held, book=book(settings, policy_store.all_configs(session)))
         for user_id in held:
             locks.release(session, user_id, token)
-    return sum(len(tokens) for tokens in built.values()), [u for u in user_ids if u not in held]
+        left = [u for u in user_ids if u not in held]
+        # The dream holding them may have read their rows before the restore: it leaves
+        # them marked, and the next one, due after the dirty delay, builds them again.
+        schedule.mark_dirty_known(session, left, db_now(session))
+    return sum(len(tokens) for tokens in built.values()), left
 
 
 def _budget_line(policies: PolicyBook, run_id: int) -> BudgetLine:
@@ -271,8 +270,7 @@ def _prune_and_detect(
         found = detect(session, settings, user_id, book=policies, owners=owners, at=at, run_id=run_id)
         # Last, so the lease's row is locked only for the commit: a lost lease rolls it all back.
         keeper.hold(session, user_id)
-    outcome.entries_pruned = pruned.removed[user_id]
-    outcome.recalls_recorded = user_id in pruned.recalled
+    outcome.entries_pruned = pruned
     outcome.contradictions_found = found.found
     outcome.contradictions_resolved = found.resolved
 
@@ -595,15 +593,14 @@ class _Chunk:
             self._one_by_one()
             return
         for user_id, outcome in self.outcomes.items():
-            if user_id not in pruned.removed:
+            if user_id not in pruned:
                 _fail(outcome, LeaseLost(user_ref(user_id, self.settings.log_hash_key)))
                 continue
-            outcome.entries_pruned = pruned.removed[user_id]
-            outcome.recalls_recorded = user_id in pruned.recalled
+            outcome.entries_pruned = pruned[user_id]
             outcome.contradictions_found = found[user_id].found
             outcome.contradictions_resolved = found[user_id].resolved
 
-    def _prune_held(self, run_ids: dict[str, int]) -> tuple[Pruned, dict[str, ContradictionCounts]]:
+    def _prune_held(self, run_ids: dict[str, int]) -> tuple[dict[str, int], dict[str, ContradictionCounts]]:
         """Prune and detect for the users whose lease still holds, in one transaction; a
         lease found lost at its end rolls it back, and it is done again without that user."""
         while True:

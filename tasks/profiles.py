@@ -23,6 +23,7 @@ the profile built here is what is kept when the model's is refused or not writte
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -184,7 +185,7 @@ def lines_of(ranked: Sequence[Entry], count: Counter) -> list[Line]:
 def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: list[int], *, by_lines: bool) -> Built:
     """:func:`build_ranked` of the ranked entries' lines, already counted."""
     total = len(lines)
-    layout = Layout(lines, headers, left_out_tokens(count, total, budget), total)
+    layout = Layout(lines, headers, left_out_tokens(count, total), total)
     if by_lines:
         whole = fmt.whole_if_fits(layout, budget, count)
         if whole is not None:
@@ -210,18 +211,17 @@ def build_lines(lines: Sequence[Line], budget: int, count: Counter, headers: lis
     return Built(text, tokens, budget, kept, total - kept, stored)
 
 
-def left_out_tokens(count: Counter, total: int, budget: int) -> int:
-    """The most tokens the left-out line can take in a profile of ``total`` entries cut
-    to ``budget`` or less, whatever number it shows: a cut keeps at most ``budget``
-    lines (a line takes a token at least), so it leaves out ``total - budget`` to
-    ``total`` of them, and a reader's cut any of those. Not just the count of
-    ``total``'s line: a tokenizer need not count a larger number in more tokens
-    (Anthropic's counts ``(531 more entries left out)`` in 9, and 532's in 8)."""
+def left_out_tokens(count: Counter, total: int) -> int:
+    """The most tokens the left-out line can take in a profile of ``total`` entries,
+    whatever number it shows (1 to ``total``: a cut, the builder's or a reader's at any
+    smaller budget, may leave out any of them). Not just the count of ``total``'s line:
+    a tokenizer need not count a larger number in more tokens (Anthropic's counts
+    ``(531 more entries left out)`` in 9, and 532's in 8)."""
     if not total:
         return 0
     if isinstance(count, TokenCount):
-        return count.left_out(total, budget)
-    return max(count(fmt.left_out_line(n)) for n in range(max(1, total - budget), total + 1))
+        return count.left_out(total)
+    return max(count(fmt.left_out_line(n)) for n in range(1, total + 1))
 
 
 def _counted(
@@ -462,11 +462,11 @@ class Whole:
         self,
         lines: Sequence[Line],
         shown: Sequence[int],
-        left_out: Callable[[int, int], int],
+        left_out: Callable[[int], int],
         line_json: Callable[[], list[str]],
     ) -> Fitted | None:
         """The profile of the lines at ``shown`` (indexes of ``lines``, in rank order),
-        or None where it does not fit; ``left_out(total, budget)``: :func:`left_out_tokens`;
+        or None where it does not fit; ``left_out(total)``: :func:`left_out_tokens`;
         ``line_json()``: each line's JSON (``lines[i]``'s at ``i``)."""
         parts: list[str] = []
         tokens = 0
@@ -487,7 +487,7 @@ class Whole:
         total = len(shown)
         layout = (
             f'{{"lines":[{",".join(map(line_json().__getitem__, shown))}],"headers":{self._headers_json},'
-            f'"left_out_line":{left_out(total, self.budget)},"total":{total},"writer":"deterministic"}}'
+            f'"left_out_line":{left_out(total)},"total":{total},"writer":"deterministic"}}'
         )
         return Fitted(text, tokens, self.budget, total, JsonText(layout))
 
@@ -575,9 +575,9 @@ class TokenCount:
         ``RECURRING_TEXTS`` of them, the least recently used let go first."""
         return _recurring_count(self._count, text) if len(text) <= RECURRING_CHARS else self(text)
 
-    def left_out(self, total: int, budget: int) -> int:
+    def left_out(self, total: int) -> int:
         """:func:`left_out_tokens` (kept per process and tokenizer)."""
-        return _left_out_bound(self._count, max(1, total - budget), total) if total else 0
+        return _LEFT_OUT.bound(self._count, total) if total else 0
 
     def lines(self, entries: Sequence[Entry]) -> list[int]:
         """Each entry's line's count (in order): all in one call where the tokenizer
@@ -613,11 +613,30 @@ def _recurring_count(count: Counter, text: str) -> int:
     return count(text) if text else 0
 
 
-@lru_cache(maxsize=4096)
-def _left_out_bound(count: Counter, first: int, last: int) -> int:
-    """The most tokens of the left-out lines of ``first`` to ``last`` entries, with
-    ``count``'s own counts, kept (each line's too)."""
-    return max(_recurring_count(count, fmt.left_out_line(n)) for n in range(first, last + 1))
+class _LeftOutBounds:
+    """:func:`left_out_tokens` per tokenizer: for each total, the most tokens of the
+    left-out lines of 1 to that total, grown as larger totals come (each number's line
+    counted once per process). Kept for the last few counters (a counter is one per
+    tokenizer, or one per refresh where litellm has none to hand out)."""
+
+    KEPT = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bounds: dict[Counter, list[int]] = {}
+
+    def bound(self, count: Counter, total: int) -> int:
+        with self._lock:
+            bounds = self._bounds.pop(count, None) or [0]
+            self._bounds[count] = bounds  # the most recently used, last
+            while len(self._bounds) > self.KEPT:
+                del self._bounds[next(iter(self._bounds))]
+            while len(bounds) <= total:
+                bounds.append(max(bounds[-1], count(fmt.left_out_line(len(bounds)))))
+            return bounds[total]
+
+
+_LEFT_OUT = _LeftOutBounds()
 
 
 def _row(

@@ -9,23 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from datetime import datetime, timedelta
-from typing import NamedTuple
 
 from sqlalchemy import ColumnElement, Table
 from sqlalchemy.orm import Session
 
 from store import entry_state
+from store import profiles as profile_store
 from store.memories import remove_entries, remove_entries_of_runs, table_for
 from worker.policy import Policy, PolicyBook
 from worker.settings import Settings
-
-
-class Pruned(NamedTuple):
-    """What a prune did: entries removed per user, and the users it saw recalls of (their
-    entries rank anew in their profiles, though the rows' fingerprint may not move)."""
-
-    removed: dict[str, int]
-    recalled: set[str]
 
 
 def _cutoff(policy: Policy, at: datetime) -> datetime | None:
@@ -64,35 +56,39 @@ def prune_user(
     owners: Collection[str] | None,
     at: datetime,
     run_id: int | None,
-) -> Pruned:
-    """Archive and delete the user's stale entries.
+) -> int:
+    """Archive and delete the user's stale entries; returns how many were removed.
 
     Also notes recalls (``access_count`` growth) first, so an entry recalled since the
     last look is not stale.
     """
     table = table_for(settings)
     recalled = entry_state.observe_recalls(session, table, user_id, at)
+    # A recall moves the entry up its profiles' ranking, though the rows' fingerprint
+    # may not move by now (the recall was counted when a build last read them).
+    profile_store.mark_for_rebuild(session, recalled)
     where = _stale_where(settings, table, user_id, book=book, owners=owners, at=at)
     removed = remove_entries(session, table, where, reason="prune", source="prune", run_id=run_id)
     entry_state.forget_missing(session, table, user_id)
-    return Pruned({user_id: len(removed)}, recalled)
+    return len(removed)
 
 
 def prune_users(
     session: Session, settings: Settings, runs: Mapping[str, int], *, book: PolicyBook, at: datetime
-) -> Pruned:
+) -> dict[str, int]:
     """:func:`prune_user` for several users' whole-user runs at once (``runs``: user id
     -> run id), in the caller's transaction: one recall look, one archive-then-delete
-    (each row archived under its own user's run) and one clean-up for all of them."""
+    (each row archived under its own user's run) and one clean-up for all of them.
+    Returns how many entries each user lost."""
     table = table_for(settings)
     users = sorted(runs)
     counts = dict.fromkeys(users, 0)
     if not users:
-        return Pruned(counts, set())
-    recalled = entry_state.observe_recalls(session, table, users, at)
+        return counts
+    profile_store.mark_for_rebuild(session, entry_state.observe_recalls(session, table, users, at))
     array = session.get_bind().dialect.name == "postgresql"
     where = _stale_where(settings, table, users, book=book, owners=None, at=at, array=array)
     for removed in remove_entries_of_runs(session, table, where, runs, reason="prune", source="prune"):
         counts[removed.user_id] += 1
     entry_state.forget_missing(session, table, users)
-    return Pruned(counts, recalled)
+    return counts

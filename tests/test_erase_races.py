@@ -433,11 +433,21 @@ def test_an_erasure_during_a_restores_profile_rebuild_leaves_no_profile(
 
 
 def test_a_restores_profile_rebuild_leaves_a_user_a_dream_holds_to_that_dream(pg_settings: Settings) -> None:
-    from store import locks
+    from store import locks, schedule
+    from store.types import db_now
     from tasks.dream import lease_ttl, rebuild_profiles
     from tests.dream_seed import entry, seed
 
     seed(pg_settings, [entry("u1", "home_city", "Lisbon", visibility="global", agent=None)])
     with session_scope(pg_settings) as session:
+        started = db_now(session)
         assert locks.acquire(session, "u1", "a-dream", lease_ttl(pg_settings))
     assert rebuild_profiles(pg_settings, ["u1"]) == (0, ["u1"])
+    # The dream may have read the rows before the restore: when it ends, the user stays
+    # marked, and is due again after the dirty delay (not at the next slot, a day away).
+    with session_scope(pg_settings) as session:
+        schedule.mark_dreamed_many(session, ["u1"], started, started + timedelta(days=1))
+        locks.release(session, "u1", "a-dream")
+    with session_scope(pg_settings) as session:
+        later = db_now(session) + timedelta(seconds=pg_settings.dispatch_dirty_delay_seconds + 1)
+        assert schedule.due_user_ids(session, later, 10, pg_settings) == ["u1"]

@@ -56,11 +56,37 @@ def test_a_recall_counted_while_a_dream_runs_reranks_the_profile_at_the_next_dre
     dream.dream_users(settings, ["u1"])
     monkeypatch.setattr(dream._Chunk, "summarize", summarize)
 
+    # The dream that records the recall fails to build the profiles: the next one must.
+    compose = profiles.compose
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("a build that fails once")
+
+    monkeypatch.setattr(profiles, "compose", failing)
+    assert dream.dream_users(settings, ["u1"])[0].profiles_built == 0
+    monkeypatch.setattr(profiles, "compose", compose)
     third = dream.dream_users(settings, ["u1"])[0]
     assert third.profiles_built == 1
     shown = get_for_prompt("u1", settings=settings).text
     assert shown.splitlines()[1] == "- recalled fact: TARGET", shown  # recalled today: first
     assert dream.dream_users(settings, ["u1"])[0].profiles_built == 0  # and nothing after
+
+
+def test_a_time_postgresql_calls_infinity_fails_no_dream(pg_settings: Settings) -> None:
+    # The contradiction look reads the rows whole: an infinite time failed the user's
+    # dream (and the chunk's set-based pass, done again user by user), every pass.
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    seed(settings, [_global("u1", "home_city", "Lisbon"), _global("u1", "residence_city", "Porto")])
+    seed(settings, [_global("u2", "home_city", "Faro")])
+    with session_scope(settings) as session:
+        session.execute(sql_text("UPDATE usermemories SET updated_at = 'infinity' WHERE value = '\"Porto\"'"))
+        session.execute(sql_text("UPDATE usermemories SET created_at = '0044-03-15 BC' WHERE user_id = 'u2'"))
+    outcomes = dream.dream_users(settings, ["u1", "u2"])
+    assert [(o.status, o.contradictions_found) for o in outcomes] == [("succeeded", 1), ("succeeded", 0)]
+    assert dream.dream_user(settings, "u1").status == "succeeded"
+    with session_scope(settings) as session:  # the times are left as the host wrote them
+        held = session.execute(sql_text("SELECT updated_at::text FROM usermemories WHERE user_id = 'u1'")).scalars()
+        assert "infinity" in set(held)
 
 
 def test_a_time_postgresql_calls_infinity_stops_no_profile(pg_settings: Settings) -> None:
@@ -209,12 +235,15 @@ def test_numbers_are_shown_with_every_digit_they_were_written_with(pg_settings: 
     # A float holds 17 significant digits: a balance of more was shown rounded, in
     # scientific notation, to the model the prompt goes to.
     settings = pg_settings.model_copy(update={"summarize_interactions": False})
-    seed(settings, [_global("u1", "account_balance", "x"), _global("u1", "order", "x"), _global("u1", "rate", "x")])
+    keys = ("account_balance", "order", "rate", "savings", "dose")
+    seed(settings, [_global("u1", key, "x") for key in keys])
     with session_scope(settings) as session:
         for key, value in (
             ("account_balance", "12345678901234567.89"),
             ("order", '{"total": 1234567.1234567890123, "items": [1, 2.5]}'),
             ("rate", "0.1"),
+            ("savings", "25000000000000000.00"),
+            ("dose", '{"mg": 0.00001, "name": "caf\\u00e9"}'),
         ):
             session.execute(
                 sql_text("UPDATE usermemories SET value = CAST(:v AS jsonb) WHERE key = :k"), {"v": value, "k": key}
@@ -225,4 +254,6 @@ def test_numbers_are_shown_with_every_digit_they_were_written_with(pg_settings: 
         "- account balance: 12345678901234567.89",
         '- order: {"items":[1,2.5],"total":1234567.1234567890123}',
         "- rate: 0.1",
+        "- savings: 25000000000000000.00",
+        '- dose: {"mg":0.00001,"name":"café"}',
     } <= lines

@@ -230,19 +230,23 @@ def test_a_smaller_read_stays_within_its_budget_where_a_counting_window_cuts_a_l
         assert (read.entries_included, read.text) == (again.included, again.text)
 
 
-@pytest.mark.parametrize("model", ["claude-sonnet-4-5", "gpt-4o", "offline"])
-def test_a_smaller_read_stays_within_its_budget_whatever_number_the_left_out_line_shows(model: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "total"),
+    [("claude-sonnet-4-5", 532), ("claude-sonnet-4-5", 572), ("claude-sonnet-4-5", 720), ("gpt-4o", 532)],
+)
+def test_a_smaller_read_stays_within_its_budget_whatever_number_the_left_out_line_shows(model: str, total: int) -> None:
     # A tokenizer need not count a larger number in more tokens: Anthropic's counts
     # "(531 more entries left out)" in 9 and 532's in 8. A reader cutting a profile of
-    # 532 entries down to one kept went over its budget, and differed from the builder.
+    # 532 entries down to one kept went over its budget, and differed from the builder;
+    # so did one of 572 or 720 when the bound hung on the budget built with.
     settings = Settings(_env_file=None, llm_model=model)  # type: ignore[call-arg]
-    count = llm.text_counter(settings)
-    rows = _rows([(f"k{i:03d}", f"v{i}", "fact", i, 0, False) for i in range(532)])
+    count = profiles.counter(settings)
+    rows = _rows([(f"k{i:03d}", f"v{i}", "fact", i, 0, False) for i in range(total)])
     built = profiles.build(rows, 20_000, count)
     assert built.left_out == 0
     stored = _stored_row(built)
     wrong = []
-    for low in range(5, 40):
+    for low in range(5, 60):
         read = from_stored(stored, None, low)
         again = profiles.build(rows, low, count)
         if not count(read.text) <= read.tokens <= low or read.text != again.text:

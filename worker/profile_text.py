@@ -11,12 +11,10 @@ would at that budget. The estimate is an upper bound of the count (see :func:`ed
 from __future__ import annotations
 
 import json
-import math
 import re
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from functools import lru_cache
 from operator import itemgetter
 from typing import Any, NamedTuple
@@ -139,38 +137,50 @@ def json_value_text(raw: str | None) -> str:
         return value_text(None)
     if len(raw) > 1 and raw[0] == raw[-1] == '"' and "\\" not in raw and '"' not in raw[1:-1]:
         return _plain(raw[1:-1], MAX_VALUE_CHARS)
-    inexact = False
+    written: list[_Written] = []
 
-    def number(text: str) -> float:
-        # A number a float does not hold exactly (a balance of 17 digits, 1e400): the
-        # value is shown as the database wrote it, digits intact, not as Python would.
-        nonlocal inexact
-        value = float(text)
-        if not inexact and (not math.isfinite(value) or Decimal(repr(value)) != Decimal(text)):
-            inexact = True
-        return value
+    def number(text: str) -> _Written:
+        # A number with a fraction or an exponent, kept as written: a float would show
+        # a 17-digit balance rounded, and 25000000000000000.00 as 2.5e+16.
+        found = _Written(text)
+        written.append(found)
+        return found
 
     try:
         value = json.loads(raw, parse_float=number)
     except (ValueError, RecursionError):
         # Not JSON, or nested deeper than Python reads: shown as the database gave it.
         return _plain(raw, MAX_VALUE_CHARS)
-    if inexact:
-        return _plain(_compact(raw), MAX_VALUE_CHARS)
-    return value_text(value)
+    if not written:
+        return value_text(value)
+    try:
+        return _plain(_compact_json(value), MAX_VALUE_CHARS)
+    except RecursionError:
+        return NESTED_TOO_DEEP
 
 
-_JSON_STRING_OR_SPACE = re.compile(r'"(?:[^"\\]|\\.)*"|\s+')
+class _Written:
+    """A JSON number as written (:func:`json_value_text`)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
 
 
-def _compact(raw: str) -> str:
-    """JSON text without the spaces between its tokens (its strings as they are)."""
-    return _JSON_STRING_OR_SPACE.sub(_kept_string, raw)
+def _compact_json(value: Any) -> str:
+    """``value`` as compact JSON, as ``value_text`` writes it, its numbers as written."""
+    if isinstance(value, _Written):
+        return value.text
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_json_text(key)}:{_compact_json(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(_compact_json, value)) + "]"
+    return _json_text(value)
 
 
-def _kept_string(match: re.Match[str]) -> str:
-    found = match.group()
-    return found if found[0] == '"' else ""
+def _json_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def entry_line(key: str, value: Any, *, conflicted: bool) -> str:

@@ -180,14 +180,14 @@ def restore(
             else ""
         )
         + (f"; {rebuilt} profiles rebuilt" if rebuilt else "")
-        + (f"; the profiles of {len(left)} users are left to their next dream (busy now)" if left else "")
+        + (f"; {len(left)} users are being dreamed now: their next dream rebuilds their profiles" if left else "")
     )
 
 
 def _rebuild_profiles(settings: Settings, users: Sequence[str]) -> tuple[int, list[str]]:
     """The profiles of users a restore changed, rebuilt now rather than by a dream (one
     soon would also summarize restored originals again, and pay for it): how many, and
-    the users left to their next dream (a dream holds them now)."""
+    the users a dream holds now (marked for the next one)."""
     from tasks.dream import rebuild_profiles
 
     return rebuild_profiles(settings, users)
