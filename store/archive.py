@@ -62,7 +62,7 @@ from store.memories import (
     sql_string,
 )
 from store.models import ArchivedEntry, Event, Run, Signal
-from store.types import db_now, naive_utc, now
+from store.types import db_now, loadable_columns, naive_utc, now
 from worker.errors import ArchiveExpired, NotFound
 
 RESTORABLE = ("prune", "contradiction", "summarize", "replace")
@@ -288,7 +288,9 @@ class _Writer:
         application wrote beside the value since (a recall counted, a column of its own)."""
         table = self.table
         this = one_entry(table, data["user_id"], data["id"])
-        look = select(table.c.id, table.c.updated_at, table.c.access_count).where(this).with_for_update()
+        # The time as Python holds it (the application may have written ``infinity``: changed).
+        shown = loadable_columns([table.c.id, table.c.updated_at, table.c.access_count], postgres=self.postgres)
+        look = select(*shown).where(this).with_for_update(of=table)
         current = self.session.execute(look).first()
         if current is None:
             return "missing"

@@ -492,3 +492,25 @@ def test_host_columns_with_odd_names_are_archived_and_put_back(odd_host_settings
         with session_scope(settings) as session:
             assert restore_run(session, table_for(settings), outcome.run_id).restored == 1
     assert stored() == before
+
+
+def test_restoring_an_overwrite_the_application_dated_infinity_leaves_it(pg_settings: Settings) -> None:
+    # The application wrote after Reverie: the restore leaves its row (the driver reads
+    # no infinite time: the restore failed instead).
+    from store.archive import restore_signal
+    from store.memories import upsert_entry
+
+    table = table_for(pg_settings)
+    seed(pg_settings, [entry("u1", "seat", "aisle")])
+    with session_scope(pg_settings) as session:
+        upsert_entry(
+            session, table, user_id="u1", key="seat", value="window", category="preference",
+            source="session_end", source_agent_id="agent-a", signal_id=7,
+        )  # fmt: skip
+        session.execute(text("UPDATE usermemories SET updated_at = 'infinity' WHERE user_id = 'u1'"))
+    with session_scope(pg_settings) as session:
+        result = restore_signal(session, table, 7)
+    assert (result.restored, result.changed_since) == (0, 1)
+    with session_scope(pg_settings) as session:
+        held = session.execute(text("SELECT value #>> '{}', updated_at::text FROM usermemories")).all()
+    assert [tuple(row) for row in held] == [("window", "infinity")]
