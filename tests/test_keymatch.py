@@ -147,6 +147,14 @@ def test_numbered_keys_spelled_out_are_two_facts_for_the_model_too(model_matcher
     assert model_matcher.find(b, [a]) is None
 
 
+@pytest.mark.parametrize(("a", "b"), [("big", "long"), ("wide", "narrow"), ("box_width", "box_depth")])
+def test_sizes_of_two_dimensions_are_two_facts_for_the_model_too(model_matcher: KeyMatcher, a: str, b: str) -> None:
+    """The model put ``big`` and ``long`` (and ``wide`` and ``narrow``) together: two
+    rows marked contradicted, and under keep_newest one of them removed."""
+    assert not model_matcher.same(a, b)
+    assert model_matcher.same("big", "large")  # one side of the class: one fact
+
+
 def test_rules_alone_miss_what_the_model_finds(model_matcher: KeyMatcher) -> None:
     rules_only = KeyMatcher(mode="rules")
     rules_tp, rules_fp, _ = _scores(rules_only)
