@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from store.entry_state import GDPR_PREFIX
 from store.memories import Upserted, _replace
+from store.types import loadable_columns
 
 #: The most entries one look reads, newest first: a prompt shows a few dozen at most.
 MAX_VISIBLE = 500
@@ -22,16 +23,17 @@ MAX_VISIBLE = 500
 def visible_entries(session: Session, table: Table, user_id: str, agent_id: str | None) -> list[Any]:
     """The user's entries that ``agent_id`` may see, newest first (at most ``MAX_VISIBLE``)."""
     own = table.c.source_agent_id.is_(None) if agent_id is None else table.c.source_agent_id == agent_id
+    shown = [
+        table.c.id,
+        table.c.key,
+        table.c.value,
+        table.c.category,
+        table.c.visibility,
+        table.c.source_agent_id,
+        table.c.updated_at,
+    ]
     stmt = (
-        select(
-            table.c.id,
-            table.c.key,
-            table.c.value,
-            table.c.category,
-            table.c.visibility,
-            table.c.source_agent_id,
-            table.c.updated_at,
-        )
+        select(*loadable_columns(shown, postgres=session.get_bind().dialect.name == "postgresql"))
         .where(
             table.c.user_id == user_id,
             or_(table.c.visibility == "global", and_(table.c.visibility.in_(("self", "group")), own)),
@@ -45,7 +47,8 @@ def visible_entries(session: Session, table: Table, user_id: str, agent_id: str 
 
 def locked_entry(session: Session, table: Table, entry_id: str, user_id: str) -> Any | None:
     """One entry of ``user_id`` by id, locked for update (None if it is gone)."""
-    stmt = select(table).where(table.c.id == entry_id, table.c.user_id == user_id).with_for_update()
+    whole = loadable_columns(table.c, postgres=session.get_bind().dialect.name == "postgresql")
+    stmt = select(*whole).where(table.c.id == entry_id, table.c.user_id == user_id).with_for_update(of=table)
     return session.execute(stmt).first()
 
 

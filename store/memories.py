@@ -48,7 +48,7 @@ from sqlalchemy.types import NullType
 
 from store.db import has_table, session_scope
 from store.models import ArchivedEntry, Event, memory_table, query_name
-from store.types import loadable_columns, naive_utc, now
+from store.types import in_range_time, loadable_columns, naive_utc, now
 from worker.errors import ConfigError, TransientError
 from worker.settings import Settings
 
@@ -508,7 +508,10 @@ def unchanged_since_read(session: Session, table: Table, rows: Sequence[Any]) ->
                 one_entry(table, row.user_id, row.id),
                 table.c.key == row.key,
                 same_value,
-                table.c.updated_at.is_not_distinct_from(row.updated_at),
+                # As the row was read: on PostgreSQL, in Python's range (:func:`loadable_columns`).
+                (in_range_time(table.c.updated_at) if postgres else table.c.updated_at).is_not_distinct_from(
+                    row.updated_at
+                ),
             )
         )
     return or_(*conditions) if conditions else false()

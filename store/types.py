@@ -72,35 +72,31 @@ def nano_to_usd(nano: int) -> float:
     return nano / NANO
 
 
-#: The last time Python's times reach, a day short (no time zone's offset takes it past
-#: the year 9999): where a host's time past it (``infinity``, the year 10000) is read.
+#: Where a host's time past what Python holds (``infinity``, the year 10000) is read: the
+#: last day Python's times reach, a day short (no time zone's offset takes it past 9999).
 LAST_TIME = datetime(9999, 12, 30)
-#: The first time Python's times reach, a day in (as ``LAST_TIME``).
-FIRST_TIME = datetime(1, 1, 2)
 
 
 def in_range_time(stamp: ColumnElement[Any]) -> ColumnElement[Any]:
     """A host's time as one Python holds (PostgreSQL): after the year 9999 (``infinity``
     included) as :data:`LAST_TIME`, before the year 1 (``-infinity``, a host's usual
-    "never", and dates BC) as NULL. The driver reads no time outside Python's range:
-    one such row would stop every read of its user's rows, pass after pass."""
+    "never", and dates BC) as NULL, and every other time as it is (``0001-01-01``, Go's
+    zero time, included). The driver reads no time outside Python's range: one such row
+    would stop every read of its user's rows, pass after pass."""
     return case(
-        (stamp > literal(LAST_TIME, stamp.type), literal(LAST_TIME, stamp.type)),
-        (stamp < literal(FIRST_TIME, stamp.type), null()),
+        (stamp > literal(datetime.max, stamp.type), literal(LAST_TIME, stamp.type)),
+        (stamp < literal(datetime.min, stamp.type), null()),
         else_=stamp,
     )
 
 
 def loadable_columns(columns: Iterable[ColumnElement[Any]], *, postgres: bool) -> list[ColumnElement[Any]]:
     """A memory table's ``columns`` (its own, or a subquery's of them) to read rows whole
-    into Python: on PostgreSQL its times in Python's range (:func:`in_range_time`),
-    under their own names."""
+    into Python: on PostgreSQL every time among them in Python's range
+    (:func:`in_range_time`), under its own name."""
     return [
         in_range_time(column).label(column.name)
-        if postgres and isinstance(column, ColumnClause) and column.name in _ROW_TIMES
+        if postgres and isinstance(column, ColumnClause) and isinstance(column.type, DateTime)
         else column
         for column in columns
     ]
-
-
-_ROW_TIMES = frozenset({"created_at", "updated_at"})

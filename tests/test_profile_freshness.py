@@ -235,7 +235,7 @@ def test_numbers_are_shown_with_every_digit_they_were_written_with(pg_settings: 
     # A float holds 17 significant digits: a balance of more was shown rounded, in
     # scientific notation, to the model the prompt goes to.
     settings = pg_settings.model_copy(update={"summarize_interactions": False})
-    keys = ("account_balance", "order", "rate", "savings", "dose")
+    keys = ("account_balance", "order", "rate", "savings", "dose", "constant")
     seed(settings, [_global("u1", key, "x") for key in keys])
     with session_scope(settings) as session:
         for key, value in (
@@ -244,6 +244,8 @@ def test_numbers_are_shown_with_every_digit_they_were_written_with(pg_settings: 
             ("rate", "0.1"),
             ("savings", "25000000000000000.00"),
             ("dose", '{"mg": 0.00001, "name": "caf\\u00e9"}'),
+            # PostgreSQL writes it out in 32 characters (and 1e-300 in 302): exact as a float, shown so.
+            ("constant", '{"tiny": 1e-30, "g": 6.674e-11}'),
         ):
             session.execute(
                 sql_text("UPDATE usermemories SET value = CAST(:v AS jsonb) WHERE key = :k"), {"v": value, "k": key}
@@ -256,4 +258,5 @@ def test_numbers_are_shown_with_every_digit_they_were_written_with(pg_settings: 
         "- rate: 0.1",
         "- savings: 25000000000000000.00",
         '- dose: {"mg":0.00001,"name":"café"}',
+        '- constant: {"g":0.00000000006674,"tiny":1e-30}',
     } <= lines

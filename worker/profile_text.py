@@ -11,10 +11,12 @@ would at that budget. The estimate is an upper bound of the count (see :func:`ed
 from __future__ import annotations
 
 import json
+import math
 import re
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import lru_cache
 from operator import itemgetter
 from typing import Any, NamedTuple
@@ -139,12 +141,17 @@ def json_value_text(raw: str | None) -> str:
         return _plain(raw[1:-1], MAX_VALUE_CHARS)
     written: list[_Written] = []
 
-    def number(text: str) -> _Written:
-        # A number with a fraction or an exponent, kept as written: a float would show
-        # a 17-digit balance rounded, and 25000000000000000.00 as 2.5e+16.
-        found = _Written(text)
-        written.append(found)
-        return found
+    def number(text: str) -> float | _Written:
+        # A number with a fraction or an exponent, as written where a float would round
+        # it (a 17-digit balance) or where the written form is short (25000000000000000.00,
+        # not 2.5e+16); a float's own form where that is exact and the written one long
+        # (PostgreSQL writes 1e-30 out in 32 characters).
+        value = float(text)
+        if (len(text) <= MAX_WRITTEN_NUMBER and math.isfinite(value)) or Decimal(repr(value)) != Decimal(text):
+            found = _Written(text)
+            written.append(found)
+            return found
+        return value
 
     try:
         value = json.loads(raw, parse_float=number)
@@ -156,7 +163,11 @@ def json_value_text(raw: str | None) -> str:
     try:
         return _plain(_compact_json(value), MAX_VALUE_CHARS)
     except RecursionError:
-        return NESTED_TOO_DEEP
+        return _plain(raw, MAX_VALUE_CHARS)
+
+
+#: A number written in at most this many characters is shown as written (see :func:`json_value_text`).
+MAX_WRITTEN_NUMBER = 24
 
 
 class _Written:
