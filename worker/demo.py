@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -111,7 +113,7 @@ def run_demo(path: Path, console: Console | None = None) -> dict[str, Any]:
     user, agent = demo_world.PROFILE_SHOWN
     # Other commands read ``./reverie.db`` unless told otherwise: say how to reach this store.
     url = f"sqlite:///{path.resolve()}"
-    hint = f"Look further into this store: REVERIE_DATABASE_URL={url} reverie profile {user} --agent {agent}"
+    hint = f"Look further into this store: REVERIE_DATABASE_URL={url} {_this_command()} profile {user} --agent {agent}"
     out.print(hint, markup=False, highlight=False, soft_wrap=True)
     dispose_engines()
     return summary
@@ -284,3 +286,12 @@ def _print(out: Console, s: dict[str, Any]) -> None:
         f"failed {p.get('signals_failed')}, routines found {s.get('routines', 0)}, "
         f"dream spend {float(p.get('cost_usd', 0)):.6f} USD"
     )
+
+
+def _this_command() -> str:
+    """How this run was started (``.venv/bin/reverie``, as the README has it), for a
+    command the reader can paste; ``reverie`` where that is not a path to it."""
+    started = sys.argv[0] if sys.argv else ""
+    if os.path.basename(started) == "reverie" and os.sep in started:
+        return shlex.quote(os.path.relpath(started) if not started.startswith("/") else started)
+    return "reverie"

@@ -137,7 +137,7 @@ def _print_report(data: dict[str, Any]) -> None:
         f"{data['contradictions_found']} new contradictions; {data['groups_deferred']} groups deferred; "
         f"{data['profiles_built']} profiles built"
     )
-    print(f"cost: {data['cost_usd']:.6f} USD; runs: {', '.join(map(str, data['run_ids'])) or 'none'}")
+    print(f"cost: {data['cost_usd']:.6f} USD; ledger run ids: {', '.join(map(str, sorted(data['run_ids']))) or 'none'}")
     for error in data["errors"]:
         print(f"failed: {error}", file=sys.stderr)
 
