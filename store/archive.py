@@ -272,6 +272,7 @@ class _Writer:
         self._live: Table | None = None
         self._host_columns: list[str] | None = None
         self._reflected: list[Any] | None = None
+        self._json: dict[str, str] | None = None
 
     @property
     def count(self) -> int:
@@ -290,7 +291,7 @@ class _Writer:
         this = one_entry(table, data["user_id"], data["id"])
         # The time as Python holds it (the application may have written ``infinity``: changed).
         shown = loadable_columns([table.c.id, table.c.updated_at, table.c.access_count], postgres=self.postgres)
-        look = select(*shown).where(this).with_for_update(of=table)
+        look = select(*shown).where(this).with_for_update()
         current = self.session.execute(look).first()
         if current is None:
             return "missing"
@@ -377,9 +378,13 @@ class _Writer:
         return self._reflected
 
     def _json_types(self) -> dict[str, str]:
-        """The JSON columns' names and their SQL types (``JSON`` or ``JSONB``)."""
-        dialect = self.session.get_bind().dialect
-        return {c["name"]: str(c["type"].compile(dialect)) for c in self._columns() if isinstance(c["type"], JSON)}
+        """The JSON columns' names and their SQL types (``JSON`` or ``JSONB``), once per restore."""
+        if self._json is None:
+            dialect = self.session.get_bind().dialect
+            self._json = {
+                c["name"]: str(c["type"].compile(dialect)) for c in self._columns() if isinstance(c["type"], JSON)
+            }
+        return self._json
 
     def _done(self, data: dict[str, Any], *, recalls: int | None = None) -> None:
         self.done.append(Removed(data["id"], data["user_id"], data["key"]))

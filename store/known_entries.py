@@ -13,7 +13,7 @@ from sqlalchemy import Table, and_, or_, select
 from sqlalchemy.orm import Session
 
 from store.entry_state import GDPR_PREFIX
-from store.memories import Upserted, _replace
+from store.memories import Upserted, _replace, whole_rows
 from store.types import loadable_columns
 
 #: The most entries one look reads, newest first: a prompt shows a few dozen at most.
@@ -47,8 +47,7 @@ def visible_entries(session: Session, table: Table, user_id: str, agent_id: str 
 
 def locked_entry(session: Session, table: Table, entry_id: str, user_id: str) -> Any | None:
     """One entry of ``user_id`` by id, locked for update (None if it is gone)."""
-    whole = loadable_columns(table.c, postgres=session.get_bind().dialect.name == "postgresql")
-    stmt = select(*whole).where(table.c.id == entry_id, table.c.user_id == user_id).with_for_update(of=table)
+    stmt = whole_rows(session, table).where(table.c.id == entry_id, table.c.user_id == user_id).with_for_update()
     return session.execute(stmt).first()
 
 

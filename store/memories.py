@@ -21,6 +21,7 @@ from sqlalchemy import (
     ARRAY,
     BigInteger,
     ColumnElement,
+    Select,
     String,
     Table,
     and_,
@@ -549,10 +550,7 @@ def upsert_entry(
     if visibility != "global" and source_agent_id is None:
         _lock_unowned_key(session, table, user_id, key)
     for _ in range(2):
-        postgres = session.get_bind().dialect.name == "postgresql"
-        existing = session.execute(
-            select(*loadable_columns(table.c, postgres=postgres)).where(match).with_for_update(of=table)
-        ).first()
+        existing = session.execute(whole_rows(session, table).where(match).with_for_update()).first()
         if existing is not None:
             return _replace(
                 session,
@@ -642,14 +640,15 @@ def _replace(
     return Upserted(existing.id, "update")
 
 
+def whole_rows(session: Session, table: Table) -> Select[Any]:
+    """``SELECT`` of the memory table's rows whole, as Python can hold them (times out of
+    its range read in range on PostgreSQL: :func:`store.types.loadable_columns`)."""
+    return select(*loadable_columns(table.c, postgres=session.get_bind().dialect.name == "postgresql"))
+
+
 def user_entries(session: Session, table: Table, user_id: str, *, lock: bool = False) -> list[Any]:
     """Every entry of one user, oldest first (``lock``: FOR UPDATE on PostgreSQL)."""
-    postgres = session.get_bind().dialect.name == "postgresql"
-    stmt = (
-        select(*loadable_columns(table.c, postgres=postgres))
-        .where(table.c.user_id == user_id)
-        .order_by(table.c.created_at, table.c.id)
-    )
+    stmt = whole_rows(session, table).where(table.c.user_id == user_id).order_by(table.c.created_at, table.c.id)
     if lock:
         stmt = stmt.with_for_update()
     return list(session.execute(stmt).all())

@@ -335,7 +335,7 @@ def _current_fingerprints(
     rows: FromClause, of_users: ColumnElement[bool] | None, hashed: ColumnElement[Any], *, finite: bool = False
 ) -> Select[Any]:
     """Each of the users' fingerprint now, from their rows (one row per user with rows).
-    ``finite``: the latest ``updated_at`` as a time Python holds (:func:`_finite`)."""
+    ``finite``: the latest ``updated_at`` as a time Python holds (:func:`store.types.in_range_time`)."""
     latest: ColumnElement[Any] = func.max(rows.c.updated_at)
     stmt = select(
         rows.c.user_id.label("user_id"),
@@ -513,9 +513,9 @@ def _build_statement(
     finite: bool = False,
 ) -> Select[Any]:
     """The users' rows with the columns of ``BUILD_COLUMNS``, in that order (a NULL
-    ``content_hash`` where ``hashed`` is None). ``finite``: the host's last access as a
-    time Python holds (PostgreSQL's ``-infinity``, a host's usual "never", as NULL;
-    ``infinity`` as the last day Python's times reach), for rows ranked in Python."""
+    ``content_hash`` where ``hashed`` is None). ``finite``: the rows' times and the
+    host's last access as times Python holds (:func:`store.types.in_range_time`), for
+    rows ranked in Python."""
     recalled: ColumnElement[Any] = EntryState.__table__.c.last_recalled_at
     created_at: ColumnElement[Any] = table.c.created_at
     updated_at: ColumnElement[Any] = table.c.updated_at

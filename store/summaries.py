@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, insert, select
+from sqlalchemy import Table, insert
 from sqlalchemy.orm import Session
 
 from store.db import hold_writes
-from store.memories import Removed, entries_of, record_events, remove_entries, user_keys
-from store.types import loadable_columns, now
+from store.memories import Removed, entries_of, record_events, remove_entries, user_keys, whole_rows
+from store.types import now
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,7 @@ def replace_group(
     # A group is one user's: its ids name rows only with that user.
     these = entries_of(table, user_id, [row.id for row in originals])
     hold_writes(session)  # SQLite: no edit between this look and the delete
-    whole = loadable_columns(table.c, postgres=session.get_bind().dialect.name == "postgresql")
-    current = session.execute(select(*whole).where(these).with_for_update(of=table)).all()
+    current = session.execute(whole_rows(session, table).where(these).with_for_update()).all()
     if sorted(map(snapshot, current), key=str) != sorted(map(snapshot, originals), key=str):
         return None
     category = first.category or "fact"

@@ -292,6 +292,4 @@ def _this_command() -> str:
     """How this run was started (``.venv/bin/reverie``, as the README has it), for a
     command the reader can paste; ``reverie`` where that is not a path to it."""
     started = sys.argv[0] if sys.argv else ""
-    if os.path.basename(started) == "reverie" and os.sep in started:
-        return shlex.quote(os.path.relpath(started) if not started.startswith("/") else started)
-    return "reverie"
+    return shlex.quote(started) if os.path.basename(started) == "reverie" and os.sep in started else "reverie"

@@ -180,7 +180,7 @@ def restore(
             else ""
         )
         + (f"; {rebuilt} profiles rebuilt" if rebuilt else "")
-        + (f"; {len(left)} users are being dreamed now: their next dream rebuilds their profiles" if left else "")
+        + (f"; the profiles of {len(left)} users are left to their next dream (one held them)" if left else "")
     )
 
 
