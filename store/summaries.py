@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from store.db import hold_writes
 from store.memories import Removed, entries_of, record_events, remove_entries, user_keys, whole_rows
-from store.types import now
+from store.types import naive_utc, now
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ def replace_group(
 
     taken = _taken_keys(session, table, user_id)
     at = now()
-    created_at = min((r.created_at for r in originals if r.created_at is not None), default=at)
+    # Naive UTC, as ``at`` (a host's ``timestamptz`` column reads with a zone).
+    created_at = min((naive_utc(r.created_at) for r in originals if r.created_at is not None), default=at)
     recalls = max((r.access_count or 0 for r in originals), default=0)
     rows: list[dict[str, Any]] = []
     for item in items:

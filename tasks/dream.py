@@ -111,25 +111,47 @@ def rebuild_profiles(settings: Settings, user_ids: Sequence[str]) -> tuple[int, 
     """Rebuild now, outside a dream, the profiles of users whose memory was just changed
     (a restore); returns the profiles built and the users left to their next dream.
 
-    Each user's profiles are built under the user's dream lease, held by one
-    transaction from the read to the write, as a dream's are: an erasure waits for it
-    and then removes what it wrote, and a user erased first is not brought back. A
-    user whose lease a dream holds is marked changed: the dream after it, due after the
-    dirty delay, builds the profiles again."""
-    if not user_ids or not settings.build_profiles:
+    As a dream does: the users' leases are taken first (a transaction of their own), the
+    profiles are read and written in one transaction that re-takes the leases last, and
+    the leases are given back. An erasure waits for the lease and then removes what was
+    written; a user erased first is not brought back; and the locks come in a dream's
+    order (profile rows, then the leases' rows), so the two never wait on each other in
+    a cycle. A user another holds (a dream), or whose lease is lost meanwhile, is marked
+    changed: the dream after it, due after the dirty delay, builds the profiles again."""
+    users = sorted(set(user_ids))
+    if not users or not settings.build_profiles:
         return 0, []
     token = str(uuid.uuid4())
     ttl = lease_ttl(settings)
     table = table_for(settings)
     with session_scope(settings) as session:
-        held = [u for u in sorted(set(user_ids)) if locks.acquire(session, u, token, ttl, entries=table)]
-        built = profiles.refresh(session, settings, held, book=book(settings, policy_store.all_configs(session)))
-        for user_id in held:
-            locks.release(session, user_id, token)
-        left = [u for u in user_ids if u not in held]
-        # The dream holding them may have read their rows before the restore: it leaves
-        # them marked, and the next one, due after the dirty delay, builds them again.
-        schedule.mark_dirty_known(session, left, db_now(session))
+        held = [u for u in users if locks.acquire(session, u, token, ttl, entries=table)]
+    built: dict[str, list[int]] = {}
+    written: list[str] = []
+    try:
+        if held:
+            with session_scope(settings) as session:
+                built = profiles.refresh(
+                    session, settings, held, book=book(settings, policy_store.all_configs(session))
+                )
+                if len(locks.renew_many(session, held, token, ttl)) == len(held):
+                    written = held
+                else:
+                    session.rollback()  # a lease ran out and was taken meanwhile: nothing written
+                    built = {}
+    except Exception as exc:
+        # The restore is committed: its users' profiles are left to their next dream.
+        log.error("restore.profiles_deferred", users=len(held), error_type=type(exc).__name__)
+        metrics.PROFILE_FAILURES.inc(len(held))
+        built = {}
+    finally:
+        with session_scope(settings) as session:
+            for user_id in held:
+                locks.release(session, user_id, token)
+            left = [u for u in users if u not in written]
+            # The dream holding them may have read their rows before the restore: it
+            # leaves them marked, and the next one, due after the dirty delay, builds them.
+            schedule.mark_dirty_known(session, left, db_now(session))
     return sum(len(tokens) for tokens in built.values()), left
 
 

@@ -451,3 +451,59 @@ def test_a_restores_profile_rebuild_leaves_a_user_a_dream_holds_to_that_dream(pg
     with session_scope(pg_settings) as session:
         later = db_now(session) + timedelta(seconds=pg_settings.dispatch_dirty_delay_seconds + 1)
         assert schedule.due_user_ids(session, later, 10, pg_settings) == ["u1"]
+
+
+def test_a_restores_profile_rebuild_and_a_dream_past_its_lease_wait_on_each_other_in_one_order(
+    pg_settings: Settings,
+) -> None:
+    # A dream whose lease ran out is inside its prune transaction (a recall recorded, the
+    # user's profile marked for a rebuild) when a restore's rebuild takes the expired
+    # lease. The rebuild locked the lease's row, then the profile's; the prune the other
+    # way round: one of them died of a deadlock (the restore's command with a traceback).
+    from store import policies as policy_store
+    from store.types import db_now
+    from tasks.dream import rebuild_profiles
+    from tasks.leases import LeaseKeeper
+    from tasks.prune import prune_user
+    from tests.dream_seed import entry, seed
+    from worker.policy import book
+
+    seed(pg_settings, [entry("u1", f"k{i}", f"v{i}", age_days=1) for i in range(3)])
+    assert dream_user(pg_settings, "u1").status == "succeeded"
+    url = pg_settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("UPDATE usermemories SET access_count = 3 WHERE key = 'k1'")  # a recall by the host
+        conn.execute(
+            "UPDATE dream_user_state SET lock_token = 'a-dream', "
+            "locked_until = timezone('utc', now()) - interval '1 second'"
+        )
+    marked = threading.Event()
+    out: dict[str, Any] = {}
+
+    def dreaming() -> None:
+        try:
+            keeper = LeaseKeeper(pg_settings, "a-dream", timedelta(minutes=10), ["u1"])
+            with session_scope(pg_settings) as session:
+                policies = book(pg_settings, policy_store.all_configs(session))
+                prune_user(session, pg_settings, "u1", book=policies, owners=None, at=db_now(session), run_id=None)
+                marked.set()
+                time.sleep(1.5)  # the rebuild reaches the profile's row meanwhile
+                out["held"] = keeper.hold_many(session, ["u1"])
+        except Exception as exc:
+            out["dream"] = type(exc).__name__
+        finally:
+            marked.set()
+
+    def restoring() -> None:
+        marked.wait(WAIT)
+        try:
+            out["rebuilt"] = rebuild_profiles(pg_settings, ["u1"])
+        except Exception as exc:
+            out["restore"] = type(exc).__name__
+
+    threads = [threading.Thread(target=dreaming), threading.Thread(target=restoring)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    assert out == {"held": [], "rebuilt": (2, [])}

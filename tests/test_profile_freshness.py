@@ -260,3 +260,11 @@ def test_numbers_are_shown_with_every_digit_they_were_written_with(pg_settings: 
         '- dose: {"mg":0.00001,"name":"café"}',
         '- constant: {"g":0.00000000006674,"tiny":1e-30}',
     } <= lines
+
+
+def test_a_table_whose_times_carry_a_zone_is_summarized(zoned_settings: Settings) -> None:
+    # The summary's creation time was the oldest original's (with a zone) against now
+    # (without one): every summarizing dream failed, after paying for the model's answer.
+    seed(zoned_settings, [entry("u1", f"note_{i}", f"fact number {i}", category="context") for i in range(6)])
+    (outcome,) = dream.dream_users(zoned_settings, ["u1"])
+    assert (outcome.status, outcome.entries_summarized) == ("succeeded", 6)
