@@ -31,6 +31,7 @@ from functools import lru_cache
 from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from store import profiles as profile_store
@@ -38,13 +39,17 @@ from store.bulk import JsonText
 from store.memories import table_for
 from store.profiles import CATEGORY_PRIORITY, MAX_AGENT_ID, NO_AGENT, OTHER_CATEGORY_PRIORITY, Fingerprint
 from store.types import db_now, naive_utc
-from worker import llm
+from worker import llm, metrics
 from worker import profile_text as fmt
+from worker.errors import DatabaseUnavailable, TransientError
+from worker.logs import get_logger, user_ref
 from worker.policy import Policy, PolicyBook
 from worker.profile_text import Layout, Line
 from worker.settings import Settings
 
 Counter = Callable[[str], int]
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -269,6 +274,8 @@ class Composed:
     rows: dict[str, list[dict[str, Any]]]
     #: Users of whom only these agents' profiles are replaced (:attr:`Plan.only`).
     only: dict[str, set[str]] = field(default_factory=dict)
+    #: Users whose profiles could not be built (their old ones stay), with the error's type.
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def users(self) -> list[str]:
@@ -365,46 +372,98 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
     budget = budget_for(settings)
     tokenizer = llm.model_name(settings)
     out: dict[str, list[dict[str, Any]]] = {}
+    failed: dict[str, str] = {}
     # Each row is formatted (and ranked) once for all of the user's profiles (a global
     # entry is in every one of them), and all the lines are counted before any profile
     # is built: together, where the tokenizer allows.
     entries: dict[str, list[Entry]] = {}
     for user_id in read.users:
-        entries[user_id] = read_entries(read.rows[user_id], ranked=read.ranked)
-    counts = iter(count.lines([e for mine in entries.values() for e in mine]))
+        try:
+            entries[user_id] = read_entries(read.rows[user_id], ranked=read.ranked)
+        except Exception as exc:  # a value no code foresaw: that user's profiles alone stay as they were
+            failed[user_id] = _failed(settings, user_id, exc)
+    counted = iter(count.lines([e for mine in entries.values() for e in mine]))
+    lines_of_user = {user_id: [next(counted) for _ in mine] for user_id, mine in entries.items()}
     headers = header_tokens(count.recurring)
     whole = Whole(budget, headers) if count.by_lines else None
-    for user_id in read.users:
-        # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
-        print_ = read.prints[user_id]
-        ranked = entries[user_id]
-        lines = [Line(entry.section, next(counts), entry.text) for entry in ranked]
-        seen = Visibility(ranked)
-        line_json = _LineJson(lines)
-        out[user_id] = []
-        agents = [NO_AGENT, *seen.agents]
-        if user_id in read.only:
-            agents = [agent for agent in agents if agent in read.only[user_id]]
-        for agent in agents:
-            shown = seen.of(agent)
-            by_model = writer is not None and book.for_agent(agent or None).writes_profiles_with_model
-            if whole is not None and not by_model:
-                fits = whole.row(lines, shown, count.left_out, line_json)
-                if fits is not None:
-                    out[user_id].append(_row(user_id, agent, fits, tokenizer=tokenizer, at=read.at, print_=print_))
-                    continue
-            visible = [lines[i] for i in shown]
-            built = build_lines(visible, budget, count, headers, by_lines=count.by_lines)
-            writer_name = "deterministic"
-            if writer is not None and by_model:
-                allowed = {line.text: line.section for line in visible}
-                written = writer(user_id, agent, built, allowed, read.current.get((user_id, agent)))
-                if written is not None:
-                    built, writer_name = written, "model"
-            out[user_id].append(
-                _row(user_id, agent, built, tokenizer=tokenizer, at=read.at, print_=print_, writer=writer_name)
+    for user_id, mine in entries.items():
+        try:
+            out[user_id] = _compose_user(
+                user_id,
+                mine,
+                lines_of_user[user_id],
+                read,
+                book=book,
+                writer=writer,
+                budget=budget,
+                headers=headers,
+                count=count,
+                whole=whole,
+                tokenizer=tokenizer,
             )
-    return Composed(out, {u: agents for u, agents in read.only.items() if u in out})
+        except _NOT_ONE_USERS:
+            raise
+        except Exception as exc:
+            # One user's rows must not cost the others their profiles, nor the model calls
+            # already made for them (a chunk built again user by user would make them twice).
+            failed[user_id] = _failed(settings, user_id, exc)
+    return Composed(out, {u: agents for u, agents in read.only.items() if u in out}, failed)
+
+
+def _compose_user(
+    user_id: str,
+    ranked: list[Entry],
+    counts: list[int],
+    read: Plan,
+    *,
+    book: PolicyBook,
+    writer: Writer | None,
+    budget: int,
+    headers: list[int],
+    count: TokenCount,
+    whole: Whole | None,
+    tokenizer: str,
+) -> list[dict[str, Any]]:
+    """The rows of one user's profiles (:func:`compose`)."""
+    # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
+    print_ = read.prints[user_id]
+    lines = [Line(entry.section, tokens, entry.text) for entry, tokens in zip(ranked, counts, strict=True)]
+    seen = Visibility(ranked)
+    line_json = _LineJson(lines)
+    out: list[dict[str, Any]] = []
+    agents = [NO_AGENT, *seen.agents]
+    if user_id in read.only:
+        agents = [agent for agent in agents if agent in read.only[user_id]]
+    for agent in agents:
+        shown = seen.of(agent)
+        by_model = writer is not None and book.for_agent(agent or None).writes_profiles_with_model
+        if whole is not None and not by_model:
+            fits = whole.row(lines, shown, count.left_out, line_json)
+            if fits is not None:
+                out.append(_row(user_id, agent, fits, tokenizer=tokenizer, at=read.at, print_=print_))
+                continue
+        visible = [lines[i] for i in shown]
+        built = build_lines(visible, budget, count, headers, by_lines=count.by_lines)
+        writer_name = "deterministic"
+        if writer is not None and by_model:
+            allowed = {line.text: line.section for line in visible}
+            written = writer(user_id, agent, built, allowed, read.current.get((user_id, agent)))
+            if written is not None:
+                built, writer_name = written, "model"
+        out.append(_row(user_id, agent, built, tokenizer=tokenizer, at=read.at, print_=print_, writer=writer_name))
+    return out
+
+
+def _failed(settings: Settings, user_id: str, exc: Exception) -> str:
+    """Log and count one user's failed build (named by type only: a message can quote a value)."""
+    error_type = type(exc).__name__
+    log.error("dream.profiles_failed", user=user_ref(user_id, settings.log_hash_key), error_type=error_type)
+    metrics.PROFILE_FAILURES.inc()
+    return error_type
+
+
+#: Errors that are not one user's: the database or the model's service went away.
+_NOT_ONE_USERS = (TransientError, DatabaseUnavailable, OperationalError)
 
 
 @dataclass(frozen=True)

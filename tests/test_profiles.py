@@ -502,6 +502,33 @@ def test_a_rewrite_that_adds_a_fact_is_refused_and_counted(pg_settings: Settings
     assert _spent(settings, "u1") > 0
 
 
+def test_one_users_failed_build_costs_the_others_no_second_model_call(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The model writes every profile; building u2's fails (a value no code foresaw) after
+    # u1's profile was written by the model. u1 is not written again (a second call, paid
+    # twice), u3 is written once, and u2's old profile stays to the next pass.
+    settings = _scripted_settings(pg_settings)
+    seed(settings, [*_about("u1"), entry("u2", "home_city", "Porto", visibility="global", agent=None), *_about("u3")])
+    SCRIPTED_REPLY["text"] = json.dumps({"unchanged": True})
+    build_lines = profiles.build_lines
+
+    def failing_for_u2(lines: Any, *args: Any, **kwargs: Any) -> Any:
+        if any("Porto" in line.text for line in lines):
+            raise ArithmeticError("a value no code foresaw")
+        return build_lines(lines, *args, **kwargs)
+
+    monkeypatch.setattr(profiles, "build_lines", failing_for_u2)
+    failed = _sample("dream_profile_build_failures_total")
+    outcomes = dream_users(settings, ["u1", "u2", "u3"])
+    assert [(o.status, o.profiles_built) for o in outcomes] == [("succeeded", 1), ("succeeded", 0), ("succeeded", 1)]
+    assert _sample("dream_profile_build_failures_total") == failed + 1
+    # One call each for u1 and u3 (the same rows: the same prompt and cost), none for u2.
+    assert _spent(settings, "u1") == _spent(settings, "u3") > 0
+    assert _spent(settings, "u2") == 0
+    assert set(_stored(settings, "u2")) == set()
+
+
 def test_a_rewrite_over_the_budget_or_rewording_a_value_is_refused(pg_settings: Settings) -> None:
     settings = _scripted_settings(pg_settings).model_copy(update={"profile_token_budget": 12})
     seed(settings, _about("u1"))
