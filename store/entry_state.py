@@ -38,7 +38,23 @@ from sqlalchemy.sql.elements import BindParameter
 
 from store.models import EntryState, query_name
 
+#: Keys beginning with this, in any case (``_GDPR_consent`` too), are reserved: never
+#: pruned, merged, rewritten or written by Reverie.
 GDPR_PREFIX = "_gdpr_"
+
+
+def is_reserved(key: str) -> bool:
+    """Whether ``key`` is reserved (begins with ``_gdpr_``, in any case)."""
+    return key[: len(GDPR_PREFIX)].lower() == GDPR_PREFIX
+
+
+def reserved(key: ColumnElement[str]) -> ColumnElement[bool]:
+    """SQL: the key is reserved (:func:`is_reserved`), on every database alike (SQLite's
+    ``LIKE`` ignores ASCII case, PostgreSQL's does not: both are told to)."""
+    return key.ilike(_GDPR_LIKE, escape="/")
+
+
+_GDPR_LIKE = GDPR_PREFIX.replace("_", "/_") + "%"
 
 
 #: Users as :func:`users_in` takes them: one user, several, or an array parameter
@@ -162,7 +178,7 @@ def forget_missing(session: Session, table: Table, users: str | Collection[str])
 def not_protected(table: Table, protected_categories: Collection[str]) -> ColumnElement[bool]:
     """Rows Reverie may prune or merge: no ``_gdpr_`` key, no protected category."""
     category = func.coalesce(table.c.category, "fact")
-    condition = ~table.c.key.startswith(GDPR_PREFIX, autoescape=True)
+    condition = ~reserved(table.c.key)
     if protected_categories:
         condition = and_(condition, category.not_in(sorted(protected_categories)))
     return condition

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import Table, and_, or_, select
 from sqlalchemy.orm import Session
 
-from store.entry_state import GDPR_PREFIX
+from store.entry_state import reserved
 from store.memories import Upserted, _replace, whole_rows
 from store.types import loadable_columns
 
@@ -37,7 +37,7 @@ def visible_entries(session: Session, table: Table, user_id: str, agent_id: str 
         .where(
             table.c.user_id == user_id,
             or_(table.c.visibility == "global", and_(table.c.visibility.in_(("self", "group")), own)),
-            ~table.c.key.startswith(GDPR_PREFIX, autoescape=True),
+            ~reserved(table.c.key),
         )
         .order_by(table.c.updated_at.desc(), table.c.id)
         .limit(MAX_VISIBLE)

@@ -48,6 +48,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.types import NullType
 
 from store.db import has_table, session_scope
+from store.entry_state import is_reserved, reserved
 from store.models import ArchivedEntry, Event, memory_table, query_name
 from store.types import in_range_time, loadable_columns, naive_utc, now
 from worker.errors import ConfigError, TransientError
@@ -616,7 +617,7 @@ def _replace(
     signal_id: int | None,
     run_id: int | None,
 ) -> Upserted:
-    if existing.key.startswith("_gdpr_") or existing.category in protected_categories:
+    if is_reserved(existing.key) or existing.category in protected_categories:
         return Upserted(existing.id, "protected")
     if existing.value == value and existing.category == category:
         return Upserted(existing.id, "unchanged")
@@ -668,7 +669,7 @@ def user_keys(session: Session, table: Table, user_ids: Sequence[str]) -> list[t
     stmt = (
         select(table.c.user_id, table.c.key)
         .distinct()
-        .where(table.c.user_id.in_(sorted(user_ids)), ~table.c.key.startswith("_gdpr_", autoescape=True))
+        .where(table.c.user_id.in_(sorted(user_ids)), ~reserved(table.c.key))
     )
     # Fetched at once, and kept as the tuples they are (a fetch and a name lookup per row cost more).
     return [(user_id, key) for user_id, key in session.execute(stmt).all()]
@@ -717,7 +718,7 @@ def contradiction_candidates(
             func.max(text_value).over(partition_by=partition).label("highest_value"),
         )
         .select_from(source)
-        .where(table.c.user_id.in_(sorted(user_ids)), ~table.c.key.startswith("_gdpr_", autoescape=True))
+        .where(table.c.user_id.in_(sorted(user_ids)), ~reserved(table.c.key))
         .subquery()
     )
     columns = loadable_columns([inner.c[column.name] for column in table.c], postgres=True)  # (PostgreSQL only)

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from store import contradictions as store
 from store import key_vectors
-from store.entry_state import GDPR_PREFIX
+from store.entry_state import is_reserved
 from store.memories import (
     as_restored,
     contradiction_candidates,
@@ -192,7 +192,7 @@ def _groups(
     kept = [
         row
         for row in rows
-        if not row.key.startswith(GDPR_PREFIX)
+        if not is_reserved(row.key)
         and book.for_agent(row.source_agent_id).detects
         and (owners is None or row.source_agent_id in owners)
     ]

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from store import key_vectors, observations
 from store.db import session_scope
+from store.entry_state import is_reserved
 from tasks import canonical, known
 from tasks.decisions import Decision, Effect, SignalInput, normalise, parse_reply_list
 from tasks.known import Known, KnownEntries
@@ -210,7 +211,7 @@ def _check(item: Any, before: str, after: str, edit: _Edit) -> tuple[Candidate |
     key, value, evidence = item.get("key"), item.get("value"), item.get("evidence")
     if not isinstance(key, str) or not key.strip() or len(key.strip()) > MAX_KEY:
         return None, f"key: missing, not a string, or longer than {MAX_KEY} characters"
-    if key.strip().startswith("_gdpr_") or not key.strip().isprintable():
+    if is_reserved(key.strip()) or not key.strip().isprintable():
         return None, "key: reserved or contains control characters"
     value = canonical.clean_value(value) if isinstance(value, str) else value
     if not isinstance(value, str) or not value or len(value) > MAX_VALUE:

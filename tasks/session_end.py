@@ -20,6 +20,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from store.entry_state import is_reserved
 from tasks import canonical, known
 from tasks.decisions import Decision, Effect, SignalInput, normalise, parse_reply_list
 from tasks.known import Known, KnownEntries
@@ -209,7 +210,7 @@ def _check(candidate: Any, evidence_pool: list[str], settings: Settings) -> tupl
     key = key.strip()
     if len(key) > MAX_KEY:
         return None, f"key: longer than {MAX_KEY} characters"
-    if key.startswith("_gdpr_") or not key.isprintable():
+    if is_reserved(key) or not key.isprintable():
         return None, "key: reserved or contains control characters"
     if isinstance(value, int | float) and not isinstance(value, bool):
         value = str(value)

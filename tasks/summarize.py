@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from store.db import session_scope
-from store.entry_state import GDPR_PREFIX
+from store.entry_state import is_reserved
 from store.memories import as_restored, restored_entries, table_for, user_entries
 from store.summaries import NewEntry, replace_group
 from store.types import usd_to_nano
@@ -112,7 +112,7 @@ def groups_of(rows: list[Any], settings: Settings, book: PolicyBook, owners: Col
     groups: dict[GroupKey, list[Any]] = defaultdict(list)
     for row in rows:
         category = row.category or "fact"
-        if row.key.startswith(GDPR_PREFIX) or category in protected or row.conflicted:
+        if is_reserved(row.key) or category in protected or row.conflicted:
             continue
         if owners is not None and row.source_agent_id not in owners:
             continue
@@ -192,7 +192,7 @@ def parse_reply(text: str, target: int | None = None) -> list[NewEntry]:
         if not isinstance(key, str) or not key.strip() or value is None or value == "":
             raise UnusableReply("an entry of the reply has no key or no value")
         key = key.strip()
-        if len(key) > MAX_KEY or key.startswith(GDPR_PREFIX) or key in seen:
+        if len(key) > MAX_KEY or is_reserved(key) or key in seen:
             raise UnusableReply("an entry's key is too long, reserved or repeated")
         text_value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         if len(text_value) > MAX_VALUE:

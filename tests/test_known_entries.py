@@ -191,19 +191,20 @@ def test_another_agents_self_entry_is_never_reached(pg_settings: Settings, monke
     assert archived(pg_settings) == []
 
 
-def test_gdpr_keys_are_untouchable(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    seed(pg_settings, [entry("ann", "_gdpr_consent", "yes")])
+@pytest.mark.parametrize("reserved", ["_gdpr_consent", "_GDPR_Consent"])
+def test_gdpr_keys_are_untouchable(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, reserved: str) -> None:
+    seed(pg_settings, [entry("ann", reserved, "yes")])
     Scripted(
         monkeypatch,
         [
-            {"key": "_gdpr_consent", "value": "no", "category": "fact", "evidence": "my consent is no"},
+            {"key": reserved.upper(), "value": "no", "category": "fact", "evidence": "my consent is no"},
             # The entry is never shown, so no handle can name it.
             {"key": "consent", "value": "no", "category": "fact", "evidence": "my consent is no",
              "relation": "update", "handle": 1},
         ],
     )  # fmt: skip
     result = run(pg_settings, transcript("My consent is no."))
-    assert {k: r["value"] for k, r in by_key(pg_settings, "ann").items()} == {"_gdpr_consent": "yes"}
+    assert {k: r["value"] for k, r in by_key(pg_settings, "ann").items()} == {reserved: "yes"}
     assert [d.outcome for d in result.refused] == [
         "key: reserved or contains control characters",
         "handle: '1' is not one of the entries shown",

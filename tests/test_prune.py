@@ -54,6 +54,24 @@ def test_protected_keys_and_categories_never_pruned(pg_settings: Settings) -> No
     assert keys_of(settings, "u1") == {"_gdpr_consent", "passport", "old_story"}
 
 
+def test_a_reserved_key_in_another_case_is_protected_on_postgresql_as_on_sqlite(
+    pg_settings: Settings, sqlite_settings: Settings
+) -> None:
+    # SQLite's LIKE ignores ASCII case and PostgreSQL's does not: a host's _GDPR_ key was
+    # kept on one and pruned on the other.
+    for settings in (_no_llm(pg_settings), _no_llm(sqlite_settings)):
+        seed(
+            settings,
+            [
+                entry("u1", "_GDPR_Consent", "granted", age_days=900, agent=None, visibility="global"),
+                entry("u1", "_Gdpr_marketing", "refused", age_days=900),
+                entry("u1", "old_fact", "gone", age_days=900),
+            ],
+        )
+        assert dream_user(settings, "u1").entries_pruned == 1
+        assert keys_of(settings, "u1") == {"_GDPR_Consent", "_Gdpr_marketing"}
+
+
 def test_recalled_but_not_updated_entry_survives(pg_settings: Settings) -> None:
     settings = _no_llm(pg_settings)
     recalled, forgotten = seed(
