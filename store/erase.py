@@ -6,24 +6,33 @@ erasure must not do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from sqlalchemy import Table, delete, func, select
 from sqlalchemy.orm import Session
 
 from store import activity as activity_store
+from store import key_vectors
 from store.memories import table_for
-from store.models import Base, Run, Signal, Spend
+from store.models import ArchivedEntry, Base, Event, KeyVector, Observation, Run, Signal, Spend
 from store.spend import delete_user_lines
 from worker.settings import Settings
 
 
 def erase_user(
-    session: Session, settings: Settings, user_id: str, *, hold: Callable[[Session], None] = lambda session: None
+    session: Session,
+    settings: Settings,
+    user_id: str,
+    *,
+    hold: Callable[[Session], None] = lambda session: None,
+    key_forms: Callable[[str], Iterable[str]] | None = None,
 ) -> dict[str, int]:
     """Delete every row about ``user_id``; rows deleted per table. ``hold`` runs just
     before the schedule row goes (it may raise to roll everything back: the erasure's
-    lease was lost meanwhile).
+    lease was lost meanwhile). ``key_forms``: the forms a key's vectors may be kept under
+    (the key matcher's); the vectors kept in ``dream_key_vectors`` for every key the user's rows
+    hold or held (the memory table, the archive, Reverie's events, observations) are
+    deleted too: they hold no user id, but a key can name a person.
 
     Signals go first: deleting them waits for any worker that holds one locked while
     applying it, so its writes are committed and then erased here, and a worker that
@@ -39,6 +48,7 @@ def erase_user(
     # signals, whose row locks an activity signal's apply holds before it inserts.
     activity_store.lock_for_erasure(session, user_id)
     memory = table_for(settings)
+    held_keys = _keys_of(session, memory, user_id) if key_forms is not None else set()
     counts[memory.name] = _delete(session, memory, user_id)
     run_ids = {str(i) for i in session.scalars(select(Run.id).where(Run.user_id == user_id))}
     if run_ids:
@@ -61,7 +71,24 @@ def erase_user(
     for table in reversed(Base.metadata.sorted_tables):
         if table.name != Signal.__tablename__ and "user_id" in table.c:
             counts[table.name] = _delete(session, table, user_id)
+    if key_forms is not None:
+        counts[KeyVector.__tablename__] = key_vectors.forget(
+            session, {form for key in held_keys for form in key_forms(key)}
+        )
     return counts
+
+
+def _keys_of(session: Session, memory: Table, user_id: str) -> set[str]:
+    """Every key the user's rows hold or held: the memory table's, the archive's, those of
+    Reverie's events and of observations (before they are deleted)."""
+    archived = ArchivedEntry.row["key"].as_string()
+    statements = [
+        select(memory.c.key).where(memory.c.user_id == user_id),
+        select(archived).where(ArchivedEntry.user_id == user_id),
+        select(Event.key).where(Event.user_id == user_id),
+        select(Observation.key).where(Observation.user_id == user_id),
+    ]
+    return {key for statement in statements for key in session.scalars(statement.distinct()) if isinstance(key, str)}
 
 
 def _delete(session: Session, table: Table, user_id: str) -> int:

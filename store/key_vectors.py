@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, delete, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -39,8 +39,9 @@ def save(session: Session, model: str, vectors: Mapping[str, bytes]) -> None:
     """Store new vectors; one another worker stored first is kept, in key order.
 
     On PostgreSQL they are committed at once in a transaction of their own: they hold
-    nothing about any user, and inside the caller's long transaction a second worker
-    storing the same keys would wait for all of that transaction to end."""
+    no user id (an erasure deletes those of its user's keys: :func:`forget`), and
+    inside the caller's long transaction a second worker storing the same keys would
+    wait for all of that transaction to end."""
     rows = [{"model": model, "norm_key": k, "vector": v} for k, v in sorted(vectors.items()) if len(k) <= MAX_NORM_KEY]
     if not rows:
         return
@@ -51,6 +52,18 @@ def save(session: Session, model: str, vectors: Mapping[str, bytes]) -> None:
         return
     with Session(bind=bind.engine if isinstance(bind, Connection) else bind) as own, own.begin():
         _insert(own, pg_insert, rows)
+
+
+def forget(session: Session, norm_keys: Iterable[str]) -> int:
+    """Delete the vectors of these rules forms, of every model (an erased user's keys:
+    a key can name a person). Another user's key of the same form is run through the
+    model again when next seen. Returns the rows deleted."""
+    wanted = sorted({k for k in norm_keys if len(k) <= MAX_NORM_KEY})
+    deleted = 0
+    for start in range(0, len(wanted), BATCH):
+        result = session.execute(delete(KeyVector).where(KeyVector.norm_key.in_(wanted[start : start + BATCH])))
+        deleted += int(getattr(result, "rowcount", 0) or 0)
+    return deleted
 
 
 def _insert(session: Session, builder: Any, rows: list[dict[str, Any]]) -> None:

@@ -381,7 +381,8 @@ class Observation(Base):
 
 
 class KeyVector(Base):
-    """The key-matching model's vector for one key in rules form (no user: keys are shared)."""
+    """The key-matching model's vector for one key in rules form (no user id: keys are
+    shared; an erasure deletes those of its user's keys)."""
 
     __tablename__ = "dream_key_vectors"
 

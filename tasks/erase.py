@@ -15,6 +15,7 @@ from store.db import committing, give_back, session_scope
 from store.models import UserState
 from tasks.leases import LeaseKeeper
 from worker.errors import LeaseLost, UserBusy
+from worker.keymatch import key_forms
 from worker.logs import get_logger, user_ref
 from worker.payloads import check_identifier
 from worker.settings import Settings
@@ -57,7 +58,9 @@ def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None =
         # erasure whose lease ran out anyway (a frozen process) is rolled back and tried again.
         try:
             with LeaseKeeper(settings, token, ERASE_LEASE, [user_id]) as keeper, session_scope(settings) as session:
-                counts = erase_store.erase_user(session, settings, user_id, hold=lambda s: keeper.hold(s, user_id))
+                counts = erase_store.erase_user(
+                    session, settings, user_id, hold=lambda s: keeper.hold(s, user_id), key_forms=key_forms(settings)
+                )
         except LeaseLost:
             log.info("erase_lease_lost", user=user_ref(user_id, settings.log_hash_key))
             continue

@@ -151,3 +151,53 @@ def test_cli_erase_user(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) 
         get_settings.cache_clear()
     with session_scope(pg_settings) as session:
         assert set(rows_about(session, pg_settings, "ann").values()) == {0}
+
+
+def test_the_vectors_of_the_users_keys_go_with_the_user(store_settings: Settings) -> None:
+    # A key can name a person: the vectors the key matcher kept for the erased user's keys
+    # go. Another user's keys keep theirs (a key both had is run again when next seen).
+    from sqlalchemy import func
+
+    from store import key_vectors
+    from store.models import KeyVector
+    from tasks.dream import dream_users
+    from tests.dream_seed import entry, seed
+    from worker.keymatch import forget_matchers, get_matcher
+
+    settings = store_settings.model_copy(update={"summarize_interactions": False, "key_matching": "embedding"})
+    seed(
+        settings,
+        [
+            entry("ann", "contact_jane_doe_phone", "555-0101"),
+            # Pruned (archived) by the dream: its vector was kept when it was current.
+            entry("ann", "passport_of_jane_doe", "X123", age_days=900),
+            entry("ann", "home_city", "Lisbon", agent="b"),
+            entry("ben", "home_city", "Porto"),
+            entry("ben", "favorite_color", "blue", agent="b"),
+        ],
+    )
+    forget_matchers()
+    matcher = get_matcher(settings)
+    assert matcher.embedder is not None
+    assert [o.entries_pruned for o in dream_users(settings, ["ann", "ben"])] == [1, 0]
+    passport = matcher.normalise("passport_of_jane_doe")
+    assert matcher.model_id is not None
+    with session_scope(settings) as session:
+        key_vectors.save(session, matcher.model_id, matcher.embed([passport]))
+
+    def forms() -> set[str]:
+        with session_scope(settings) as session:
+            return set(session.scalars(select(KeyVector.norm_key)))
+
+    jane, home, color = (matcher.normalise(k) for k in ("contact_jane_doe_phone", "home_city", "favorite_color"))
+    assert {jane, home, color, passport} <= forms()
+    counts = erase_user(settings, "ann")
+    assert counts["dream_key_vectors"] == 3
+    assert forms().isdisjoint({jane, home, passport}) and color in forms()
+    # Ben's next dream runs his key again and keeps its vector.
+    forget_matchers()
+    assert all(o.status == "succeeded" for o in dream_users(settings, ["ben"]))
+    assert {home, color} <= forms() and forms().isdisjoint({jane, passport})
+    with session_scope(settings) as session:
+        assert session.scalar(select(func.count()).select_from(KeyVector)) == len(forms())
+    forget_matchers()

@@ -33,14 +33,14 @@ from __future__ import annotations
 import re
 import threading
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
-from worker.errors import KeyModelUnavailable
+from worker.errors import KeyModelUnavailable, LexiconInvalid
 from worker.keymatch import lexicon as lexicons
 from worker.keymatch import rules
 from worker.keymatch.lexicon import Lexicon
@@ -375,6 +375,28 @@ def get_matcher(settings: Settings) -> KeyMatcher:
                 lexicon=lexicon if settings.key_lexicon else lexicon.without_synonyms(),
             )
         return matcher
+
+
+def key_forms(settings: Settings) -> Callable[[str], set[str]]:
+    """The forms a key's vectors may be kept under, without loading the model: its rules
+    form under the settings' lexicon and the built-in one, with synonyms and without
+    (the settings may have changed since a vector was stored), and its plain form. A
+    lexicon file that cannot be read is left out (the built-in one is not)."""
+    built_in = lexicons.load(None)
+    lexicons_ = [built_in, built_in.without_synonyms()]
+    if settings.key_lexicon_path:
+        try:
+            own = lexicons.load(settings.key_lexicon_path)
+        except LexiconInvalid:
+            log.warning("key forms without the lexicon file", reason="lexicon_invalid")
+        else:
+            lexicons_ += [own, own.without_synonyms()]
+    matchers = [KeyMatcher(mode="rules", lexicon=lexicon) for lexicon in lexicons_]
+
+    def forms(key: str) -> set[str]:
+        return {_plain(key), *(matcher.normalise(key) for matcher in matchers)}
+
+    return forms
 
 
 def forget_matchers() -> None:
