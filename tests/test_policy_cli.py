@@ -27,7 +27,9 @@ def test_set_then_show(pg_settings: Settings) -> None:
     assert done.returncode == 0, done.stderr
     done = _cli(pg_settings, "policy", "set", "travel", "maxCostPerRun=0.1")
     assert done.returncode == 0, done.stderr
-    shown = json.loads(_cli(pg_settings, "policy", "show", "travel").stdout)["travel"]
+    # A set prints what a show of the agent prints next.
+    assert done.stdout == _cli(pg_settings, "policy", "show", "travel").stdout
+    shown = json.loads(done.stdout)["travel"]
     assert shown["pruneStaleAfterDays"] == 30 and shown["contradictionResolution"] == "keep_newest"
     assert shown["maxCostPerRun"] == 0.1 and shown["summarizeMinEntries"] == 5
     assert shown["overrides"] == ["contradictionResolution", "maxCostPerRun", "pruneStaleAfterDays"]

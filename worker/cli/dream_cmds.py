@@ -203,7 +203,7 @@ def policy_set(
     from store.db import session_scope
     from worker.errors import ConfigError, InvalidSignal
     from worker.payloads import check_identifier
-    from worker.policy import parse_assignments, stored_policy
+    from worker.policy import parse_assignments
 
     try:
         check_identifier("agent", agent, required=True)
@@ -216,7 +216,8 @@ def policy_set(
     settings = load_settings()
     with session_scope(settings) as session:
         stored = policies.merge_config(session, agent, changes)
-    print(json.dumps({"agent": agent, "policy": stored_policy(settings, agent, stored).as_config()}, sort_keys=True))
+    # What `policy show AGENT` prints now.
+    _print_policies(settings, {agent: stored})
 
 
 @policy_app.command("show")
@@ -225,15 +226,22 @@ def policy_show(
         str | None, typer.Argument(metavar="AGENT", help="One agent; all agents with a policy if omitted.")
     ] = None,
 ) -> None:
-    """Print effective policies as JSON (the defaults under ``"*"``)."""
+    """Print effective policies as JSON, each agent's with the fields set for it (its
+    "overrides"), and, for all agents, the defaults under "*"."""
     from store import policies
     from store.db import session_scope
-    from worker.policy import defaults, stored_policy
 
     settings = load_settings()
     with session_scope(settings) as session:
         configs = policies.all_configs(session) if agent is None else {agent: policies.get_config(session, agent) or {}}
-    out: dict[str, Any] = {"*": defaults(settings).as_config()} if agent is None else {}
+    _print_policies(settings, configs, with_defaults=agent is None)
+
+
+def _print_policies(settings: Settings, configs: dict[str, Any], *, with_defaults: bool = False) -> None:
+    """The effective policies of these agents (their stored fields: ``configs``) as JSON."""
+    from worker.policy import defaults, stored_policy
+
+    out: dict[str, Any] = {"*": defaults(settings).as_config()} if with_defaults else {}
     for name, config in sorted(configs.items()):
         out[name] = {**stored_policy(settings, name, config).as_config(), "overrides": sorted(config)}
     print(json.dumps(out, sort_keys=True, indent=2))
