@@ -131,14 +131,15 @@ def rebuild_profiles(settings: Settings, user_ids: Sequence[str]) -> tuple[int, 
     try:
         if held:
             with session_scope(settings) as session:
-                built = profiles.refresh(
+                composed = profiles.rebuild(
                     session, settings, held, book=book(settings, policy_store.all_configs(session))
                 )
                 if len(locks.renew_many(session, held, token, ttl)) == len(held):
-                    written = held
+                    # A user whose build failed keeps the old profiles: left to the next dream.
+                    written = [u for u in held if u not in composed.unbuilt]
+                    built = composed.tokens(written)
                 else:
                     session.rollback()  # a lease ran out and was taken meanwhile: nothing written
-                    built = {}
     except Exception as exc:
         # The restore is committed: its users' profiles are left to their next dream.
         log.error("restore.profiles_deferred", users=len(held), error_type=type(exc).__name__)
@@ -357,6 +358,10 @@ def _build_profiles(
         composed = profiles.compose(settings, read, book=policies, writer=writer)
     except (TransientError, DatabaseUnavailable):
         raise
+    except OperationalError as exc:
+        # The database's doing (a lock or statement timeout, a lost connection), not one
+        # user's rows: built again user by user, every profile would be asked of the model twice.
+        raise TransientError(f"the database failed the profile build: {type(exc.orig).__name__}") from exc
     except Exception as exc:
         if len(outcomes) == 1:
             user_id = next(iter(outcomes))
@@ -370,6 +375,11 @@ def _build_profiles(
         log.error("dream.profiles_failed", users=len(outcomes), error_type=type(exc).__name__)
         return _build_one_by_one(settings, outcomes, policies, keeper)
     metrics.PROFILE_BUILD_DURATION.observe(time.monotonic() - started)
+    if composed.deferred:
+        # What was built is written; the others are built again at the next pass.
+        log.warning("dream.profiles_deferred", users=len(composed.deferred), error_type=composed.deferred_by)
+        for user_id in composed.deferred:
+            outcomes[user_id].retry_soon = True
     return composed
 
 

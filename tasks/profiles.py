@@ -276,6 +276,15 @@ class Composed:
     only: dict[str, set[str]] = field(default_factory=dict)
     #: Users whose profiles could not be built (their old ones stay), with the error's type.
     failed: dict[str, str] = field(default_factory=dict)
+    #: Users not built because the database or the model's service went away meanwhile
+    #: (their old profiles stay; what was built before is kept), and that error's type.
+    deferred: list[str] = field(default_factory=list)
+    deferred_by: str = ""
+
+    @property
+    def unbuilt(self) -> set[str]:
+        """The users read as changed whose profiles were not built (failed or deferred)."""
+        return {*self.failed, *self.deferred}
 
     @property
     def users(self) -> list[str]:
@@ -386,7 +395,11 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
     lines_of_user = {user_id: [next(counted) for _ in mine] for user_id, mine in entries.items()}
     headers = header_tokens(count.recurring)
     whole = Whole(budget, headers) if count.by_lines else None
-    for user_id, mine in entries.items():
+    deferred: list[str] = []
+    deferred_by = ""
+    users = list(entries)
+    for index, user_id in enumerate(users):
+        mine = entries[user_id]
         try:
             out[user_id] = _compose_user(
                 user_id,
@@ -401,13 +414,17 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
                 whole=whole,
                 tokenizer=tokenizer,
             )
-        except _NOT_ONE_USERS:
-            raise
+        except _NOT_ONE_USERS as exc:
+            # Not this user's doing: the rest wait for the next pass, and what was built
+            # (model calls paid for) is kept.
+            deferred, deferred_by = users[index:], type(exc).__name__
+            break
         except Exception as exc:
             # One user's rows must not cost the others their profiles, nor the model calls
             # already made for them (a chunk built again user by user would make them twice).
             failed[user_id] = _failed(settings, user_id, exc)
-    return Composed(out, {u: agents for u, agents in read.only.items() if u in out}, failed)
+    only = {u: agents for u, agents in read.only.items() if u in out}
+    return Composed(out, only, failed, deferred, deferred_by)
 
 
 def _compose_user(
@@ -595,12 +612,18 @@ def refresh(
     returns, per rebuilt user, the tokens of each profile it has now. (A dream run reads,
     builds and writes in three steps instead, so that no transaction stays open while
     text is built or the model writes: see ``tasks.dream``.)"""
+    composed = rebuild(session, settings, user_ids, book=book)
+    return composed.tokens(composed.users)
+
+
+def rebuild(session: Session, settings: Settings, user_ids: Collection[str], *, book: PolicyBook) -> Composed:
+    """:func:`refresh`, returning what was built and who was not (:attr:`Composed.unbuilt`)."""
     read = plan(session, settings, user_ids, book=book)
     if not read.users:
-        return {}
+        return Composed({})
     composed = compose(settings, read, book=book)
     save(session, composed, read.users)
-    return composed.tokens(read.users)
+    return composed
 
 
 class TokenCount:
