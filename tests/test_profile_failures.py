@@ -19,42 +19,14 @@ from store.types import db_now
 from tasks import profiles
 from tasks.dream import dream_users, rebuild_profiles
 from tests.dream_seed import entry, seed
-from worker import llm
+from tests.scripted_model import AFTER_CALL, CALLS, SCRIPTED_REPLY, scripted_settings
 from worker.settings import Settings
-
-SCRIPTED = "failures-script"
-#: The prompts the scripted model was sent, and what it does after a call.
-CALLS: list[str] = []
-AFTER_CALL: list[Any] = []
 
 
 def _scripted(settings: Settings) -> Settings:
     """The model writes every profile; it answers "unchanged" (kept as the deterministic text)."""
-
-    def factory(litellm: Any) -> Any:
-        class Scripted(litellm.CustomLLM):  # type: ignore[misc]
-            def completion(self, model: str, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
-                CALLS.append(messages[-1]["content"])
-                if AFTER_CALL:
-                    AFTER_CALL.pop()()
-                return litellm.ModelResponse(
-                    model=model,
-                    choices=[{"message": {"role": "assistant", "content": json.dumps({"unchanged": True})}}],
-                    usage={"prompt_tokens": 50, "completion_tokens": 5, "total_tokens": 55},
-                )
-
-        return Scripted()
-
-    llm.register_provider(SCRIPTED, factory)
-    return settings.model_copy(
-        update={
-            "llm_model": f"{SCRIPTED}/m",
-            "llm_input_cost_per_token": 1e-6,
-            "llm_output_cost_per_token": 2e-6,
-            "profile_writer": "model",
-            "summarize_interactions": False,
-        }
-    )
+    SCRIPTED_REPLY["text"] = json.dumps({"unchanged": True})
+    return scripted_settings(settings).model_copy(update={"summarize_interactions": False})
 
 
 def _about(user: str, city: str) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from tasks import profiles
 from tasks.dream import dream_users
 from tasks.erase import erase_user
 from tests.dream_seed import entry, seed
+from tests.scripted_model import SCRIPTED_REPLY, scripted_settings
 from worker import llm
 from worker.policy import book
 from worker.profile_text import cut, estimate
@@ -409,37 +410,6 @@ def test_reader_imports_neither_celery_nor_litellm() -> None:
 
 # -- model-written profiles ------------------------------------------------------------
 
-SCRIPTED = "reverie-profile-script"
-SCRIPTED_REPLY: dict[str, str] = {"text": ""}
-
-
-def _scripted_settings(settings: Settings) -> Settings:
-    """A model behind the real gateway that answers :data:`SCRIPTED_REPLY` (priced)."""
-
-    def factory(litellm: Any) -> Any:
-        class Scripted(litellm.CustomLLM):  # type: ignore[misc]
-            def completion(self, model: str, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
-                text = SCRIPTED_REPLY["text"]
-                prompt = int(litellm.token_counter(model="gpt-4o", messages=messages))
-                output = int(litellm.token_counter(model="gpt-4o", text=text, count_response_tokens=True))
-                return litellm.ModelResponse(
-                    model=model,
-                    choices=[{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                    usage={"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output},
-                )
-
-        return Scripted()
-
-    llm.register_provider(SCRIPTED, factory)
-    return settings.model_copy(
-        update={
-            "llm_model": f"{SCRIPTED}/m",
-            "llm_input_cost_per_token": 1e-6,
-            "llm_output_cost_per_token": 2e-6,
-            "profile_writer": "model",
-        }
-    )
-
 
 def _about(user: str) -> list[dict[str, Any]]:
     # Three lines of one section, ranked home city, first name, birthday.
@@ -487,7 +457,7 @@ def test_model_written_profile_under_a_tiny_cap_makes_no_call_and_keeps_the_dete
 
 
 def test_a_rewrite_that_adds_a_fact_is_refused_and_counted(pg_settings: Settings) -> None:
-    settings = _scripted_settings(pg_settings)
+    settings = scripted_settings(pg_settings)
     seed(settings, _about("u1"))
     SCRIPTED_REPLY["text"] = json.dumps(
         {"profile": "## About the user\n- home city: Lisbon\n- pet name: Rex\n- first name: Ana\n- birthday: May 4\n"}
@@ -508,7 +478,7 @@ def test_one_users_failed_build_costs_the_others_no_second_model_call(
     # The model writes every profile; building u2's fails (a value no code foresaw) after
     # u1's profile was written by the model. u1 is not written again (a second call, paid
     # twice), u3 is written once, and u2's old profile stays to the next pass.
-    settings = _scripted_settings(pg_settings)
+    settings = scripted_settings(pg_settings)
     seed(settings, [*_about("u1"), entry("u2", "home_city", "Porto", visibility="global", agent=None), *_about("u3")])
     SCRIPTED_REPLY["text"] = json.dumps({"unchanged": True})
     build_lines = profiles.build_lines
@@ -530,7 +500,7 @@ def test_one_users_failed_build_costs_the_others_no_second_model_call(
 
 
 def test_a_rewrite_over_the_budget_or_rewording_a_value_is_refused(pg_settings: Settings) -> None:
-    settings = _scripted_settings(pg_settings).model_copy(update={"profile_token_budget": 12})
+    settings = scripted_settings(pg_settings).model_copy(update={"profile_token_budget": 12})
     seed(settings, _about("u1"))
     # Every line is an entry's, but the whole is over 12 tokens.
     SCRIPTED_REPLY["text"] = json.dumps(
