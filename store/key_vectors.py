@@ -59,9 +59,15 @@ def forget(session: Session, norm_keys: Iterable[str]) -> int:
     a key can name a person). Another user's key of the same form is run through the
     model again when next seen. Returns the rows deleted."""
     wanted = sorted({k for k in norm_keys if len(k) <= MAX_NORM_KEY})
+    if not wanted:
+        return 0
+    # The models named too: the table's key is (model, norm_key), so each batch is an
+    # index lookup, not a scan of every vector kept.
+    models = sorted(session.scalars(select(KeyVector.model).distinct()))
     deleted = 0
     for start in range(0, len(wanted), BATCH):
-        result = session.execute(delete(KeyVector).where(KeyVector.norm_key.in_(wanted[start : start + BATCH])))
+        batch = wanted[start : start + BATCH]
+        result = session.execute(delete(KeyVector).where(KeyVector.model.in_(models), KeyVector.norm_key.in_(batch)))
         deleted += int(getattr(result, "rowcount", 0) or 0)
     return deleted
 

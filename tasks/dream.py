@@ -134,12 +134,13 @@ def rebuild_profiles(settings: Settings, user_ids: Sequence[str]) -> tuple[int, 
                 composed = profiles.rebuild(
                     session, settings, held, book=book(settings, policy_store.all_configs(session))
                 )
-                if len(locks.renew_many(session, held, token, ttl)) == len(held):
-                    # A user whose build failed keeps the old profiles: left to the next dream.
-                    written = [u for u in held if u not in composed.unbuilt]
-                    built = composed.tokens(written)
-                else:
+                renewed = len(locks.renew_many(session, held, token, ttl)) == len(held)
+                if not renewed:
                     session.rollback()  # a lease ran out and was taken meanwhile: nothing written
+            if renewed:
+                # Committed. A user whose build failed keeps the old profiles: left to the next dream.
+                written = [u for u in held if u not in composed.unbuilt]
+                built = composed.tokens(written)
     except Exception as exc:
         # The restore is committed: its users' profiles are left to their next dream.
         log.error("restore.profiles_deferred", users=len(held), error_type=type(exc).__name__)
@@ -324,6 +325,9 @@ def _refresh_profiles(
             users = [u for u in users if u in held]
     except (TransientError, DatabaseUnavailable):
         raise
+    except OperationalError as exc:
+        # The database's doing (a lock or statement timeout): built again at the next pass.
+        raise TransientError(f"the profile write failed: {type(exc.orig).__name__}") from exc
     except Exception as exc:
         log.error("dream.profiles_failed", users=len(users), error_type=type(exc).__name__)
         metrics.PROFILE_FAILURES.inc(len(users))
@@ -358,10 +362,6 @@ def _build_profiles(
         composed = profiles.compose(settings, read, book=policies, writer=writer)
     except (TransientError, DatabaseUnavailable):
         raise
-    except OperationalError as exc:
-        # The database's doing (a lock or statement timeout, a lost connection), not one
-        # user's rows: built again user by user, every profile would be asked of the model twice.
-        raise TransientError(f"the database failed the profile build: {type(exc.orig).__name__}") from exc
     except Exception as exc:
         if len(outcomes) == 1:
             user_id = next(iter(outcomes))
@@ -397,24 +397,36 @@ def _build_one_by_one(
     return profiles.Composed(rows, only) if rows else None
 
 
-def _save_profiles(session: Session, composed: profiles.Composed, held: Collection[str]) -> list[str]:
+def _save_profiles(session: Session, composed: profiles.Composed, held: Collection[str]) -> tuple[list[str], list[str]]:
     """Write the built profiles of the users among ``held`` (whose leases the caller's
     transaction holds) in a savepoint: a failure leaves their old profiles and the rest
-    of the transaction. The users written."""
+    of the transaction. The users written, and those the database kept from being
+    written (a lock or statement timeout: worth another try at the next pass)."""
     users = [u for u in composed.users if u in held]
     try:
         with session.begin_nested():
             profiles.save(session, composed, users)
-    except (TransientError, DatabaseUnavailable, OperationalError):
+    except (TransientError, DatabaseUnavailable):
         raise
+    except OperationalError as exc:
+        # The runs are closed all the same (a lost connection fails the next statement,
+        # and the closing transaction is tried again).
+        log.warning("dream.profiles_deferred", users=len(users), error_type=type(exc.orig).__name__)
+        return [], users
     except Exception as exc:
         log.error("dream.profiles_failed", users=len(users), error_type=type(exc).__name__)
         if len(users) == 1:
             metrics.PROFILE_FAILURES.inc()
-            return []
+            return [], []
         # Each user in a savepoint of their own: one user's rows must not keep the others' out.
-        return [u for u in users if _save_profiles(session, composed, [u])]
-    return users
+        written: list[str] = []
+        deferred: list[str] = []
+        for user_id in users:
+            mine, later = _save_profiles(session, composed, [user_id])
+            written += mine
+            deferred += later
+        return written, deferred
+    return users, []
 
 
 def _count_profiles(outcomes: dict[str, RunOutcome], composed: profiles.Composed, users: Collection[str]) -> None:
@@ -738,7 +750,9 @@ class _Chunk:
             # Only users whose lease still holds get anything written (see _close_lost).
             held = set(self.keeper.hold_many(session, sorted(self.outcomes)))
             if self.composed is not None:
-                saved[:] = _save_profiles(session, self.composed, held)
+                saved[:], deferred = _save_profiles(session, self.composed, held)
+                for user_id in deferred:
+                    self.outcomes[user_id].retry_soon = True
             costs: dict[int, int] = {}
             for outcome in outcomes:
                 if outcome.run_id is not None and _calls_model(self.settings, self.policies):
