@@ -77,17 +77,24 @@ def _insert(session: Session, builder: Any, rows: list[dict[str, Any]]) -> None:
         session.execute(builder(KeyVector).values(rows[start : start + BATCH]).on_conflict_do_nothing())
 
 
-def prepare(session: Session, matcher: KeyMatcher, keys: Iterable[str]) -> int:
-    """Give ``matcher`` a vector for every key: from its memory, else this table, else the
-    model (whose new vectors are stored here, in the caller's transaction). Returns how
+def prepare(
+    session: Session, matcher: KeyMatcher, keys: Iterable[str], *, proposed: Iterable[str] = ()
+) -> int:
+    """Give ``matcher`` a vector for every key of ``keys`` and ``proposed``: from its
+    memory, else this table, else the model. New vectors of ``keys`` (keys rows hold)
+    are stored here; those of ``proposed`` (keys a signal proposed, which may land on
+    another key or nowhere) are kept in the process's memory only: an erasure finds the
+    keys a user's rows hold, not those a model proposed from their words. Returns how
     many keys the model ran on. Nothing to do for a matcher without a model."""
     model = matcher.model_id
     if model is None:
         return 0
-    missing = matcher.missing(keys)
+    held = list(keys)
+    missing = matcher.missing([*held, *proposed])
     if not missing:
         return 0
     matcher.remember(load(session, model, missing))
     computed = matcher.embed(missing)
-    save(session, model, computed)
+    kept = {matcher.normalise(key) for key in held}
+    save(session, model, {form: vector for form, vector in computed.items() if form in kept})
     return len(computed)

@@ -185,7 +185,7 @@ class Writer:
         keys = sorted({row.key for row in rows})
         if not keys:
             return None
-        key_vectors.prepare(self.session, matcher, [key, *keys])
+        key_vectors.prepare(self.session, matcher, keys, proposed=[key])
         found = matcher.find(key, keys)
         if found is None:
             return None

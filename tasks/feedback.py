@@ -247,7 +247,7 @@ def apply(session: Session, settings: Settings, signal: SignalInput, proposal: P
     )
     matcher = get_matcher(settings)
     seen_keys = observations.keys_of(session, user_id=signal.user_id, agent_id=agent) if proposal.candidates else []
-    key_vectors.prepare(session, matcher, [*seen_keys, *(c.key for c in proposal.candidates)])
+    key_vectors.prepare(session, matcher, seen_keys, proposed=[c.key for c in proposal.candidates])
     for proposed in proposal.candidates:
         # A preference seen before under a key that means the same counts with it.
         key = matcher.find(proposed.key, seen_keys) or proposed.key

@@ -201,3 +201,31 @@ def test_the_vectors_of_the_users_keys_go_with_the_user(store_settings: Settings
     with session_scope(settings) as session:
         assert session.scalar(select(func.count()).select_from(KeyVector)) == len(forms())
     forget_matchers()
+
+
+def test_no_vector_of_a_key_the_users_signal_proposed_outlives_them(make_settings: Any) -> None:
+    # A session end proposes "jane_doe_mobile_number"; the key matcher finds it means
+    # ann's "contact_jane_doe_phone", and the fact lands there. The proposed key is in
+    # none of ann's rows, so its vector is not stored (the process keeps it in memory),
+    # and nothing of it is left once she is erased.
+    from store.models import KeyVector
+    from tests.dream_seed import entry, seed
+    from tests.test_canonical_writes import say
+    from worker.keymatch import forget_matchers, get_matcher
+
+    settings = make_settings(known_entries_token_budget=0, key_matching="embedding")
+    forget_matchers()
+    seed(settings, [entry("ann", "contact_jane_doe_phone", "555-0101")])
+    [decision] = say(settings, "ann", "My jane doe mobile number is 555-0199.").accepted
+    assert decision.key == "contact_jane_doe_phone" and "same meaning" in decision.outcome
+    matcher = get_matcher(settings)
+    proposed, held = matcher.normalise("jane_doe_mobile_number"), matcher.normalise("contact_jane_doe_phone")
+
+    def forms() -> set[str]:
+        with session_scope(settings) as session:
+            return set(session.scalars(select(KeyVector.norm_key)))
+
+    assert held in forms() and proposed not in forms()
+    erase_user(settings, "ann")
+    assert forms().isdisjoint({held, proposed})
+    forget_matchers()
