@@ -409,8 +409,10 @@ def _save_profiles(session: Session, composed: profiles.Composed, held: Collecti
     except (TransientError, DatabaseUnavailable):
         raise
     except OperationalError as exc:
-        # The runs are closed all the same (a lost connection fails the next statement,
-        # and the closing transaction is tried again).
+        if exc.connection_invalidated:
+            raise  # the connection is gone: the closing transaction is tried again whole
+        # A lock or statement timeout: rolled back to the savepoint, and the runs are
+        # closed all the same.
         log.warning("dream.profiles_deferred", users=len(users), error_type=type(exc.orig).__name__)
         return [], users
     except Exception as exc:
