@@ -77,9 +77,7 @@ def _insert(session: Session, builder: Any, rows: list[dict[str, Any]]) -> None:
         session.execute(builder(KeyVector).values(rows[start : start + BATCH]).on_conflict_do_nothing())
 
 
-def prepare(
-    session: Session, matcher: KeyMatcher, keys: Iterable[str], *, proposed: Iterable[str] = ()
-) -> int:
+def prepare(session: Session, matcher: KeyMatcher, keys: Iterable[str], *, proposed: Iterable[str] = ()) -> int:
     """Give ``matcher`` a vector for every key of ``keys`` and ``proposed``: from its
     memory, else this table, else the model. New vectors of ``keys`` (keys rows hold)
     are stored here; those of ``proposed`` (keys a signal proposed, which may land on
@@ -91,10 +89,12 @@ def prepare(
         return 0
     held = list(keys)
     missing = matcher.missing([*held, *proposed])
-    if not missing:
-        return 0
-    matcher.remember(load(session, model, missing))
-    computed = matcher.embed(missing)
+    computed: dict[str, bytes] = {}
+    if missing:
+        matcher.remember(load(session, model, missing))
+        computed = matcher.embed(missing)
     kept = {matcher.normalise(key) for key in held}
-    save(session, model, {form: vector for form, vector in computed.items() if form in kept})
+    matcher.hold_back(set(computed) - kept)
+    # And a proposed key's vector this process held back, now that a row holds the key.
+    save(session, model, {**matcher.held_back(held), **{f: v for f, v in computed.items() if f in kept}})
     return len(computed)

@@ -363,6 +363,10 @@ def _build_profiles(
     except (TransientError, DatabaseUnavailable):
         raise
     except Exception as exc:
+        if isinstance(exc, OperationalError) and _waited_for_a_lock(exc):
+            # A lock held a moment (a migration's, a VACUUM FULL): not one user's rows.
+            # The users are built at the next pass, after the dirty delay.
+            raise TransientError("the profile read waited too long for a lock") from exc
         if len(outcomes) == 1:
             user_id = next(iter(outcomes))
             log.error(
@@ -381,6 +385,11 @@ def _build_profiles(
         for user_id in composed.deferred:
             outcomes[user_id].retry_soon = True
     return composed
+
+
+def _waited_for_a_lock(exc: OperationalError) -> bool:
+    """Whether the database gave up waiting for a lock (``lock_timeout``: SQLSTATE 55P03)."""
+    return getattr(exc.orig, "sqlstate", None) == "55P03"
 
 
 def _build_one_by_one(

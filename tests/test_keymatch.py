@@ -7,10 +7,11 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import text
+from sqlalchemy import select, text
 from structlog.testing import capture_logs
 
 from store import key_vectors
@@ -507,4 +508,38 @@ def test_a_true_match_is_found_behind_look_alikes_the_rules_refuse_whatever_the_
         assert matcher.same("diet", "dietary_preference"), name
         assert matcher.find("diet", ["dietary_preference", *look_alikes]) == "dietary_preference", name
         assert not matcher.same("diet", "diet_1"), name
+    forget_matchers()
+
+
+def test_a_proposed_key_written_as_a_new_entry_has_its_vector_stored_by_the_next_dream(make_settings: Any) -> None:
+    # A session end proposes a key that matches none of ann's, so it is written as a new
+    # entry: a key her rows now hold. Its vector, computed for the signal and held in
+    # memory only, is stored by the next dream in the same process, so that a new
+    # process's sweep runs no inference.
+    from store.models import KeyVector
+    from tasks.dream import dream_users
+    from tests.dream_seed import entries_of, entry, seed
+    from tests.test_canonical_writes import say
+    from worker.keymatch import forget_matchers, get_matcher
+
+    settings = make_settings(known_entries_token_budget=0, key_matching="embedding", summarize_interactions=False)
+    forget_matchers()
+    seed(settings, [entry("ann", "contact_jane_doe_phone", "555-0101")])
+    say(settings, "ann", "My shoe size is 42.")
+    keys = {row["key"] for row in entries_of(settings, "ann").values()}
+    new_key = next(k for k in keys - {"contact_jane_doe_phone"})
+    matcher = get_matcher(settings)
+
+    def forms() -> set[str]:
+        with session_scope(settings) as session:
+            return set(session.scalars(select(KeyVector.norm_key)))
+
+    assert matcher.normalise(new_key) not in forms()
+    assert all(o.status == "succeeded" for o in dream_users(settings, ["ann"]))
+    assert matcher.normalise(new_key) in forms()
+    forget_matchers()
+    second = get_matcher(settings)
+    assert second.embedder is not None
+    dream_users(settings, ["ann"])
+    assert second.embedder.inferences == 0
     forget_matchers()

@@ -213,3 +213,25 @@ def test_a_restores_rebuild_whose_commit_fails_leaves_the_users_to_the_next_drea
     with session_scope(pg_settings) as session:
         assert "Lisbon" in session.scalar(select(Profile.text).where(Profile.user_id == "u1"))  # the old one
     assert (built, left, due) == (0, ["u1"], ["u1"])
+
+
+@pytest.mark.parametrize("chunk", [False, True])
+def test_a_profile_read_that_meets_a_lock_timeout_is_dreamed_again_soon(pg_settings: Settings, chunk: bool) -> None:
+    # A migration's ACCESS EXCLUSIVE lock on dream_profiles, held a moment: the read gives
+    # up waiting (lock_timeout), the old profiles stay, and the users are built at the
+    # next pass (not at their next scheduled dream, a day away).
+    settings = pg_settings.model_copy(
+        update={"database_url": pg_settings.database_url + "?options=-c%20lock_timeout%3D300"}
+    )
+    users = ["u1", "u2"] if chunk else ["u1"]
+    _changed_after_first_build(settings, users)
+    holder = _raw(pg_settings)
+    holder.autocommit = False
+    holder.execute("LOCK TABLE dream_profiles IN ACCESS EXCLUSIVE MODE")
+    try:
+        outcomes = dream_users(settings, users) if chunk else [dream_user(settings, "u1")]
+    finally:
+        holder.rollback()
+        holder.close()
+    assert [(o.status, o.profiles_built) for o in outcomes] == [("succeeded", 0)] * len(users)
+    assert _due_soon(settings) == users

@@ -108,6 +108,8 @@ class KeyMatcher:
         self.threshold = threshold
         self.strict_threshold = strict_threshold
         self._lock = threading.Lock()
+        #: Rules forms whose vectors were computed here and not stored (see :meth:`hold_back`).
+        self._unstored: set[str] = set()
         # Every rules form with a vector: its row in ``_matrix``, and the known rules forms
         # it matches (with their similarity), found once when it was added.
         self._norms: list[str] = []
@@ -153,6 +155,22 @@ class KeyMatcher:
         with self._lock:
             return sorted({n for n in map(self.normalise, keys) if n not in self._index})
 
+    def hold_back(self, norms: Iterable[str]) -> None:
+        """Note rules forms whose vectors this process computed and did not store (keys a
+        signal proposed): :meth:`held_back` hands them out once a row holds the key."""
+        with self._lock:
+            self._unstored.update(n for n in norms if n in self._index)
+
+    def held_back(self, keys: Iterable[str]) -> dict[str, bytes]:
+        """The vectors held back (:meth:`hold_back`) of these keys' rules forms, as bytes
+        for the cache table; they are not held back any more."""
+        if not self._unstored:
+            return {}
+        with self._lock:
+            forms = {n for n in map(self.normalise, keys) if n in self._unstored and n in self._index}
+            self._unstored -= forms
+            return {n: self._matrix[self._index[n]].tobytes() for n in sorted(forms)}
+
     def remember(self, vectors: Mapping[str, bytes]) -> None:
         """Take vectors (rules form -> float32 bytes) read from the cache table."""
         if self.embedder is None or not vectors:
@@ -188,6 +206,7 @@ class KeyMatcher:
                 return
             if len(self._norms) + len(fresh) > MEMORY_VECTORS:
                 self._norms, self._index, self._matches = [], {}, {}
+                self._unstored = set()
             new_norms = [norms[i] for i in fresh]
             base = len(self._norms)
             added = np.asarray(vectors[fresh], dtype=np.float32)
