@@ -58,7 +58,7 @@ def stopped_after(variant: str) -> Iterator[None]:
             stopped.enter_context(mock.patch.object(tasks.profiles, "compose", nothing_built))
         if variant in ("read", "built"):
             # Not even the write's savepoint and its delete of the users' old profiles.
-            stopped.enter_context(mock.patch.object(tasks.dream, "_save_profiles", lambda *_: []))
+            stopped.enter_context(mock.patch.object(tasks.dream, "_save_profiles", lambda *_: ([], [])))
         yield
 
 
