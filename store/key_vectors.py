@@ -90,11 +90,13 @@ def prepare(session: Session, matcher: KeyMatcher, keys: Iterable[str], *, propo
     held = list(keys)
     missing = matcher.missing([*held, *proposed])
     computed: dict[str, bytes] = {}
+    new: dict[str, bytes] = {}
     if missing:
         matcher.remember(load(session, model, missing))
         computed = matcher.embed(missing)
-    kept = {matcher.normalise(key) for key in held}
-    matcher.hold_back(set(computed) - kept)
+        kept = {matcher.normalise(key) for key in held}
+        new = {form: vector for form, vector in computed.items() if form in kept}
+        matcher.hold_back(computed.keys() - new.keys())
     # And a proposed key's vector this process held back, now that a row holds the key.
-    save(session, model, {**matcher.held_back(held), **{f: v for f, v in computed.items() if f in kept}})
+    save(session, model, {**matcher.held_back(held), **new})
     return len(computed)

@@ -397,9 +397,7 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
     whole = Whole(budget, headers) if count.by_lines else None
     deferred: list[str] = []
     deferred_by = ""
-    users = list(entries)
-    for index, user_id in enumerate(users):
-        mine = entries[user_id]
+    for index, (user_id, mine) in enumerate(entries.items()):
         try:
             out[user_id] = _compose_user(
                 user_id,
@@ -417,7 +415,7 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
         except _NOT_ONE_USERS as exc:
             # Not this user's doing: the rest wait for the next pass, and what was built
             # (model calls paid for) is kept.
-            deferred, deferred_by = users[index:], type(exc).__name__
+            deferred, deferred_by = list(entries)[index:], type(exc).__name__
             break
         except Exception as exc:
             # One user's rows must not cost the others their profiles, nor the model calls
