@@ -74,7 +74,12 @@ class Service:
         return proc
 
     def worker(
-        self, concurrency: int = 2, *, wrap: Wrap = _same, queues: str = "signals,dreams,housekeeping"
+        self,
+        concurrency: int = 2,
+        *,
+        wrap: Wrap = _same,
+        queues: str = "signals,dreams,housekeeping",
+        loglevel: str = "INFO",
     ) -> subprocess.Popen[bytes]:
         self.count += 1
         name = f"worker{self.count}"
@@ -86,7 +91,7 @@ class Service:
         }
         argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker"]
         argv += ["-Q", queues, "-c", str(concurrency), "-n", f"{name}@%h"]
-        argv += ["--loglevel", "INFO", "--without-gossip", "--without-mingle"]
+        argv += ["--loglevel", loglevel, "--without-gossip", "--without-mingle"]
         return self._start(name, wrap(argv), env)
 
     def worker_ready(self, number: int | None = None) -> bool:
@@ -95,9 +100,9 @@ class Service:
         log = self.tmp / f"worker{number or self.count}.log"
         return log.exists() and "ready." in log.read_text(errors="replace")
 
-    def beat(self, *, wrap: Wrap = _same) -> subprocess.Popen[bytes]:
+    def beat(self, *, wrap: Wrap = _same, loglevel: str = "INFO") -> subprocess.Popen[bytes]:
         reverie = str(Path(sys.executable).parent / "reverie")
-        argv = [reverie, "beat", "--schedule", str(self.tmp / "beat-state"), "--loglevel", "INFO"]
+        argv = [reverie, "beat", "--schedule", str(self.tmp / "beat-state"), "--loglevel", loglevel]
         return self._start("beat", wrap(argv), {**self.env, "REVERIE_METRICS_PORT": str(free_port())})
 
     def stop_warm(self, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> bool:

@@ -195,3 +195,51 @@ def _logs_still_for(service: Service, seconds: float) -> bool:
     before = {log.name: log.stat().st_size for log in service.tmp.glob("*.log")}
     time.sleep(seconds)
     return before == {log.name: log.stat().st_size for log in service.tmp.glob("*.log")}
+
+
+def test_at_debug_no_log_line_names_a_user_or_quotes_a_value(pg_settings: Settings, tmp_path: Path) -> None:
+    """``REVERIE_LOG_LEVEL=DEBUG`` is a documented level: Celery's own debug lines (the
+    pool's "TaskPool: Apply", which prints a task's whole request and body) must not
+    carry the user ids a dispatch sends, nor a signal's values."""
+    client = redis_lib.Redis.from_url(REDIS_DB_URL)
+    client.flushdb()
+    user = "plainuser7731"  # no e-mail shape, nothing random-looking: only its value identifies it
+    value = "marzipan-cathedral"
+    service = Service(tmp_path, pg_settings.database_url, REDIS_DB_URL, REVERIE_LOG_LEVEL="DEBUG")
+    db = Db(pg_settings.database_url)
+    try:
+        db.run("INSERT INTO usermemories (user_id, key, value) VALUES (%s, 'k', '\"v\"')", user)
+        payload = {
+            "conversation_id": "c-debug",
+            "messages": [{"role": "user", "content": f"My favorite dessert is {value}."}],
+        }
+        signal_id = db.insert_signal("session_end", user, payload)
+        service.worker(loglevel="DEBUG")
+        wait_until("the worker is ready", service.worker_ready, 90, service)
+        service.beat(loglevel="DEBUG")
+        wait_until("the signal is processed", lambda: db.statuses([signal_id]) == {"done": 1}, 90, service)
+        db.run("UPDATE dream_user_state SET next_dream_at = timezone('utc', now()) - interval '1 minute'")
+        wait_until(
+            "the user is dispatched and dreamed",
+            lambda: db.value("SELECT count(*) FROM dream_runs WHERE user_id = %s AND status = 'succeeded'", user) >= 1,
+            90,
+            service,
+        )
+        wait_until(
+            "no run is left running",
+            lambda: db.value("SELECT count(*) FROM dream_runs WHERE status = 'running'") == 0,
+            60,
+            service,
+        )
+        time.sleep(2)  # the run's last lines (at DEBUG the ticks go on logging: no quiet to wait for)
+        logs = {log.name: log.read_text(errors="replace") for log in tmp_path.glob("*.log")}
+        everything = "\n".join(logs.values())
+        # The run was logged at DEBUG (so the lines looked at are the debug ones).
+        assert "TaskPool: Apply" in everything or '"level": "debug"' in everything, service.logs()
+        leaks = [line for line in everything.splitlines() if user in line or value in line]
+        assert not leaks, leaks[:3]
+    finally:
+        service.stop_all()
+        db.close()
+        client.flushdb()
+        client.close()

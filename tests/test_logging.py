@@ -292,3 +292,13 @@ def test_litellm_logs_through_reverie_handler_from_its_first_import() -> None:
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, timeout=120)
     assert out.stdout.strip() == str([(0, True)] * 3)
+
+
+def test_at_debug_celerys_pool_line_with_a_tasks_whole_message_is_not_written(captured: io.StringIO) -> None:
+    # The pool's "TaskPool: Apply" line prints a task's request and message body, whose
+    # arguments name users; Celery's other debug lines are kept at DEBUG.
+    logging.getLogger("celery.pool").debug("TaskPool: Apply (args:%r)", ([[USER]],))
+    logging.getLogger("celery.worker.request").debug("Task accepted: %s[%s] pid:%r", "dream.run_users", "t-1", 7)
+    records = lines(captured)
+    assert USER not in captured.getvalue()
+    assert [r["logger"] for r in records] == ["celery.worker.request"]

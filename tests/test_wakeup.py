@@ -19,6 +19,7 @@ from sqlalchemy import select
 from store.db import session_scope
 from store.models import Signal
 from worker import wakeup
+from worker.logs import user_ref
 from worker.producer import enqueue_signal
 from worker.settings import Settings
 
@@ -126,6 +127,11 @@ def test_sweeper_wake_ups_and_dispatched_runs_are_routed_to_their_queues(
 
     assert sorted(_messages(redis_client, "signals")) == [("signals.process", [7]), ("signals.process", [8])]
     assert _messages(redis_client, "dreams") == [("dream.run_users", [["a", "b"]])]
+    # Where Celery shows the arguments (its logs, task events, ``celery inspect``): by
+    # the users' log references, not their ids.
+    (raw,) = redis_client.lrange("dreams", 0, -1)
+    refs = [user_ref(u, broker_settings.log_hash_key) for u in ("a", "b")]
+    assert json.loads(raw)["headers"]["argsrepr"] == repr([refs])
 
 
 def test_importing_the_producer_loads_neither_celery_nor_kombu_nor_litellm() -> None:

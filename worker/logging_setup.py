@@ -117,7 +117,10 @@ _WORD = re.compile(r"[A-Za-z0-9_\-]{24,}")
 # Alembic's INFO is its migration context's chatter, on every revision check: a command
 # that fails says so in one line, and ``reverie migrate`` says what it did itself.
 _WARNING_FLOOR = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy", "litellm", "sqlalchemy", "httpx", "openai", "alembic")
-_ROUTED = ("celery", "kombu", "amqp", "billiard", "redis", *_WARNING_FLOOR)
+# Celery's pool writes each task's whole request and message body (its arguments: user
+# ids) in a debug line: never below INFO, whatever ``REVERIE_LOG_LEVEL`` says.
+_INFO_FLOOR = ("celery.pool",)
+_ROUTED = ("celery", "kombu", "amqp", "billiard", "redis", *_WARNING_FLOOR, *_INFO_FLOOR)
 _LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
 
 
@@ -264,7 +267,7 @@ def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> No
         lib_logger = logging.getLogger(name)
         lib_logger.handlers.clear()
         lib_logger.propagate = True
-        lib_logger.setLevel(max(level, logging.WARNING) if name in _WARNING_FLOOR else logging.NOTSET)
+        lib_logger.setLevel(_floor(name, level))
     if "litellm" in sys.modules:
         route_litellm_logging()
 
@@ -284,6 +287,15 @@ def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> No
         # Module-level loggers are created before this runs; they must pick it up.
         cache_logger_on_first_use=False,
     )
+
+
+def _floor(name: str, level: int) -> int:
+    """The level a routed library logger is set to (NOTSET: the root's)."""
+    if name in _WARNING_FLOOR:
+        return max(level, logging.WARNING)
+    if name in _INFO_FLOOR:
+        return max(level, logging.INFO)
+    return logging.NOTSET
 
 
 def route_litellm_logging() -> None:
