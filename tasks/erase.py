@@ -17,7 +17,7 @@ from tasks.leases import LeaseKeeper
 from worker.errors import LeaseLost, UserBusy
 from worker.keymatch import key_forms
 from worker.logs import get_logger, user_ref
-from worker.payloads import check_identifier
+from worker.payloads import check_lookup
 from worker.settings import Settings
 
 log = get_logger(__name__)
@@ -41,9 +41,9 @@ def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None =
     land after the erasure. The wait lasts at most ``wait_seconds`` (default: the dream
     lease's length, after which a crashed run's lease has expired); then
     :class:`~worker.errors.UserBusy` is raised and nothing is erased. Raises
-    ``InvalidSignal`` for an empty or malformed user id.
+    ``InvalidSignal`` for an empty or malformed user id (one of spaces alone is a user's).
     """
-    check_identifier("user_id", user_id, required=True)
+    check_lookup("user_id", user_id)
     deadline = time.monotonic() + (lease_wait(settings) if wait_seconds is None else wait_seconds)
     first_had_schedule: bool | None = None
     while True:

@@ -714,7 +714,7 @@ def test_run_whose_metrics_cannot_be_written_after_the_pass_prints_its_summary_a
 
 def test_run_refuses_an_empty_user(pg_settings: Settings) -> None:
     result = run(["run", "--user", ""], env={"REVERIE_DATABASE_URL": pg_settings.database_url})
-    assert result.returncode == 1
+    assert result.returncode == 2  # a usage error, as every command's
     assert_one_line_error(result, "--user: must not be empty")
     assert _runs(pg_settings) == 0
 

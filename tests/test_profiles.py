@@ -332,9 +332,31 @@ def test_cli_profile_json_and_unknown_user(pg_settings: Settings) -> None:
     assert _cli(["run", "--user", "u2"], pg_settings).returncode == 0
     assert "Lisbon" in _cli(["profile", "u2"], pg_settings).stdout
     # An empty name is refused as a usage error, as `reverie run --user ""` refuses it.
-    for argv in (["profile", ""], ["profile", "u1", "--agent", " "]):
+    for argv in (["profile", ""], ["profile", "u1", "--agent", ""]):
         refused = _cli(argv, pg_settings)
         assert refused.returncode == 2 and "must not be empty" in refused.stderr, refused.stderr
+
+
+def test_a_user_and_an_agent_named_by_spaces_alone_are_dreamed_read_and_erased(pg_settings: Settings) -> None:
+    """The application's rows may name a user or an agent so (a signal may not): the
+    commands that look them up take the name as it is, as the dream does."""
+    seed(
+        pg_settings,
+        [
+            entry("  ", "city", "Lisbon", visibility="global", agent=None),
+            entry("  ", "editor", "vim", visibility="self", agent=" "),
+        ],
+    )
+    assert _cli(["run", "--user", "  "], pg_settings).returncode == 0
+    shared = _cli(["profile", "  "], pg_settings)
+    assert shared.returncode == 0 and "Lisbon" in shared.stdout and "vim" not in shared.stdout, shared.stderr
+    own = _cli(["profile", "  ", "--agent", " "], pg_settings)
+    assert own.returncode == 0 and "vim" in own.stdout, own.stderr
+    erased = _cli(["erase-user", "  ", "--yes", "--json"], pg_settings)
+    assert erased.returncode == 0, erased.stderr
+    assert json.loads(erased.stdout)["rows_removed"][table_for(pg_settings).name] == 2
+    with session_scope(pg_settings) as session:
+        assert set(rows_about(session, pg_settings, "  ").values()) == {0}
 
 
 def test_cli_says_why_a_built_profile_is_empty_and_prints_nothing_on_stdout(pg_settings: Settings) -> None:

@@ -147,6 +147,19 @@ def check_identifier(field: str, value: Any, *, required: bool) -> str | None:
     return value
 
 
+def check_lookup(field: str, value: str) -> str:
+    """A user or agent named to look up, erase or dream: as the application's rows may
+    name them, so anything but empty (spaces alone included, which a signal may not
+    write), with no NUL byte and no longer than Reverie's tables hold."""
+    if not value:
+        raise InvalidSignal(field, "must not be empty")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidSignal(field, f"is {len(value)} characters long; at most {MAX_ID_LENGTH} allowed")
+    if "\x00" in value:
+        raise InvalidSignal(field, "contains a NUL byte")
+    return value
+
+
 def check_kind(kind: Any) -> str:
     if kind not in KINDS:
         raise InvalidSignal("kind", f"unknown kind {str(kind)[:40]!r}; expected one of {', '.join(KINDS)}")

@@ -37,13 +37,13 @@ def run(
     if user and all_users:
         fail("--user and --all exclude each other", code=2)
     from worker.errors import InvalidSignal
-    from worker.payloads import check_identifier
+    from worker.payloads import check_lookup
 
     try:
         for name in user or ():
-            check_identifier("--user", name, required=True)
+            check_lookup("--user", name)
     except InvalidSignal as exc:
-        fail(str(exc))
+        fail(str(exc), code=2)
     if metrics_textfile is not None:
         from worker.metrics_textfile import unwritable
 

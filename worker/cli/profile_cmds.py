@@ -31,14 +31,15 @@ def profile(
     nothing, and a line on stderr saying why (exit 0).
     """
     from worker.errors import InvalidSignal
-    from worker.payloads import check_identifier
+    from worker.payloads import check_lookup
     from worker.profiles_reader import get_for_prompt, is_known
 
     if budget is not None and budget < 0:
         fail("--budget must be at least 0", code=2)
     try:
-        check_identifier("user", user, required=True)
-        check_identifier("--agent", agent, required=False)
+        check_lookup("user", user)
+        if agent is not None:
+            check_lookup("--agent", agent)
     except InvalidSignal as exc:
         fail(str(exc), code=2)
     settings = load_settings()
