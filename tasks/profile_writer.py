@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -112,9 +113,10 @@ def parse_reply(text: str) -> str | None:
 
 def lines_of(text: str, allowed: Mapping[str, int], count: Callable[[str], int]) -> list[Line]:
     """The profile's entry lines in its order, each under its heading; raises
-    :class:`Refused` unless every line is an allowed entry's line or a fixed heading."""
+    :class:`Refused` unless every line is an allowed entry's line (``allowed``: each
+    line, and how many entries show it: no more often than that) or a fixed heading."""
     lines: list[Line] = []
-    seen: set[str] = set()
+    seen: Counter[str] = Counter()
     section = -1
     for raw in text.splitlines():
         item = raw.rstrip()
@@ -132,9 +134,9 @@ def lines_of(text: str, allowed: Mapping[str, int], count: Callable[[str], int])
             raise Refused("a line is not the line of an entry the agent may see")
         if section < 0:
             raise Refused("a line comes before any heading")
-        if line in seen:
+        seen[line] += 1
+        if seen[line] > allowed[line]:
             raise Refused("a line is repeated")
-        seen.add(line)
         lines.append(Line(section, count(line), line))
     if not lines and allowed:
         raise Refused("the profile holds no entry")
@@ -149,7 +151,7 @@ class ProfileWriter:
         self.settings, self.run_ids, self.count = settings, run_ids, count
 
     def __call__(
-        self, user_id: str, agent: str, built: Built, allowed: dict[str, int], current: str | None
+        self, user_id: str, agent: str, built: Built, allowed: Mapping[str, int], current: str | None
     ) -> Built | None:
         from worker import llm
 
@@ -196,9 +198,9 @@ class ProfileWriter:
         metrics.PROFILE_MODEL_REPLIES.labels(verdict="unchanged" if text is None else "rewritten").inc()
         return written
 
-    def _check(self, text: str, built: Built, allowed: dict[str, int]) -> Built:
+    def _check(self, text: str, built: Built, allowed: Mapping[str, int]) -> Built:
         lines = lines_of(text, allowed, self.count)
-        total = len(allowed)
+        total = sum(allowed.values())
         assembled = fmt.assemble(lines, total - len(lines))
         tokens = self.count(assembled)
         if tokens > built.budget:

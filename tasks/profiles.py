@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections import Counter as Tally
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import lru_cache
@@ -298,7 +299,7 @@ class Writer(Protocol):
     """Writes one profile with the model, or returns None to keep the deterministic one."""
 
     def __call__(
-        self, user_id: str, agent: str, built: Built, allowed: dict[str, int], current: str | None
+        self, user_id: str, agent: str, built: Built, allowed: Mapping[str, int], current: str | None
     ) -> Built | None: ...
 
 
@@ -461,7 +462,9 @@ def _compose_user(
         built = build_lines(visible, budget, count, headers, by_lines=count.by_lines)
         writer_name = "deterministic"
         if writer is not None and by_model:
-            allowed = {line.text: line.section for line in visible}
+            # Each line the model may write, and how many of the entries show it (two
+            # entries can show one line: the same key and value, owned otherwise).
+            allowed = Tally(line.text for line in visible)
             written = writer(user_id, agent, built, allowed, read.current.get((user_id, agent)))
             if written is not None:
                 built, writer_name = written, "model"

@@ -521,6 +521,42 @@ def test_one_users_failed_build_costs_the_others_no_second_model_call(
     assert set(_stored(settings, "u2")) == set()
 
 
+def test_a_line_two_entries_show_may_be_written_twice_and_no_more(pg_settings: Settings) -> None:
+    # Two entries of one line (the same key and value, owned otherwise): the profile shows
+    # it twice, and the model keeping that profile is not refused for it (a refusal on
+    # every change, each one paid for).
+    settings = scripted_settings(pg_settings)
+    seed(
+        settings,
+        [
+            entry("d1", "home_city", "Lisbon", visibility="global", agent="agent-a"),
+            entry("d1", "home_city", "Lisbon", visibility="self", agent=None),
+            entry("d1", "first_name", "Ana", visibility="global", agent=None),
+        ],
+    )
+    SCRIPTED_REPLY["text"] = json.dumps({"unchanged": True})
+    unchanged = _sample("dream_profile_model_replies_total", verdict="unchanged")
+    dream_users(settings, ["d1"])
+    stored = _stored(settings, "d1")[""]
+    assert stored.text.count("- home city: Lisbon\n") == 2
+    assert stored.layout["writer"] == "model"
+    assert (stored.entries_included, stored.entries_left_out) == (3, 0)
+    # The agent-less profile and agent-a's (which shows the same three entries).
+    assert set(_stored(settings, "d1")) == {"", "agent-a"}
+    assert _sample("dream_profile_model_replies_total", verdict="unchanged") == unchanged + 2
+    # Three times is once more than the entries show it: refused.
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        session.execute(update(table).where(table.c.user_id == "d1", table.c.key == "first_name").values(value="Bea"))
+    SCRIPTED_REPLY["text"] = json.dumps(
+        {"profile": "## About the user\n- home city: Lisbon\n- home city: Lisbon\n- home city: Lisbon\n"}
+    )
+    refused = _sample("dream_profile_model_replies_total", verdict="refused")
+    dream_users(settings, ["d1"])
+    assert _sample("dream_profile_model_replies_total", verdict="refused") == refused + 2
+    assert _stored(settings, "d1")[""].layout["writer"] == "deterministic"
+
+
 def test_a_rewrite_over_the_budget_or_rewording_a_value_is_refused(pg_settings: Settings) -> None:
     settings = scripted_settings(pg_settings).model_copy(update={"profile_token_budget": 12})
     seed(settings, _about("u1"))
