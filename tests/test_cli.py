@@ -315,6 +315,7 @@ def test_unknown_option_is_a_usage_error() -> None:
     ("argv", "said"),
     [
         (["erase-user", "", "--yes"], "user: must not be empty"),
+        (["erase-user", "u" * 300, "--yes"], "user: is 300 characters long; at most 255 allowed"),
         (["restore", "--run", str(2**64)], "less than or equal to 9223372036854775807"),
         (["restore", "--signal", str(2**64)], "less than or equal to 9223372036854775807"),
         (["signals", "retry", str(2**64)], "less than or equal to 9223372036854775807"),

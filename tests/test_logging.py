@@ -302,3 +302,20 @@ def test_at_debug_celerys_pool_line_with_a_tasks_whole_message_is_not_written(ca
     records = lines(captured)
     assert USER not in captured.getvalue()
     assert [r["logger"] for r in records] == ["celery.worker.request"]
+
+
+def test_celerys_error_about_a_message_it_cannot_run_does_not_quote_the_message(captured: io.StringIO) -> None:
+    from celery.worker.consumer.consumer import UNKNOWN_TASK_ERROR
+
+    body = repr(json.dumps([[USER], {}, {}]).encode())
+    headers = repr({"task": "dream.run_userz", "argsrepr": repr([USER])})
+    logging.getLogger("celery.worker.consumer").error(
+        UNKNOWN_TASK_ERROR, "dream.run_userz", body, headers, {"routing_key": "dreams"}
+    )
+    logging.getLogger("celery.worker.consumer").error(
+        "Can't decode message body: %r [type:%r encoding:%r headers:%s]\n\nbody: %s", body, "x", "y", headers, body
+    )
+    assert USER not in captured.getvalue()
+    events = [r["event"] for r in lines(captured)]
+    assert events[0].startswith("Received unregistered task of type dream.run_userz.")
+    assert "The delivery info for this task is:" in events[0]

@@ -57,6 +57,15 @@ def test_bad_values_are_one_line_errors(pg_settings: Settings, assignment: str, 
         parse_assignments([assignment])
 
 
+def test_an_agent_named_by_spaces_alone_gets_a_policy_and_an_empty_name_none(pg_settings: Settings) -> None:
+    # The application's rows may name an agent so, and its entries are dreamed under it.
+    done = _cli(pg_settings, "policy", "set", " ", "pruneStaleAfterDays=31")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(_cli(pg_settings, "policy", "show", " ").stdout)[" "]["pruneStaleAfterDays"] == 31
+    refused = _cli(pg_settings, "policy", "set", "", "pruneStaleAfterDays=31")
+    assert refused.returncode == 2 and "agent: must not be empty" in refused.stderr, refused.stderr
+
+
 def test_cli_bad_value_exit_code(pg_settings: Settings) -> None:
     done = _cli(pg_settings, "policy", "set", "travel", "pruneStaleAfterDays=soon")
     assert done.returncode == 2 and done.stderr.startswith("reverie: error:") and "Traceback" not in done.stderr

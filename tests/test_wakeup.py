@@ -21,7 +21,7 @@ from store.models import Signal
 from worker import wakeup
 from worker.logs import user_ref
 from worker.producer import enqueue_signal
-from worker.settings import Settings
+from worker.settings import Settings, get_settings
 
 PAYLOAD = {"events": [{"action": "digest", "at": "2025-01-06T09:00:00"}]}
 
@@ -127,11 +127,39 @@ def test_sweeper_wake_ups_and_dispatched_runs_are_routed_to_their_queues(
 
     assert sorted(_messages(redis_client, "signals")) == [("signals.process", [7]), ("signals.process", [8])]
     assert _messages(redis_client, "dreams") == [("dream.run_users", [["a", "b"]])]
-    # Where Celery shows the arguments (its logs, task events, ``celery inspect``): by
-    # the users' log references, not their ids.
-    (raw,) = redis_client.lrange("dreams", 0, -1)
-    refs = [user_ref(u, broker_settings.log_hash_key) for u in ("a", "b")]
-    assert json.loads(raw)["headers"]["argsrepr"] == repr([refs])
+
+
+def test_celery_shows_the_arguments_of_a_task_naming_users_by_their_references(
+    broker_settings: Settings, redis_client: redis_lib.Redis
+) -> None:
+    """Task events and Celery's log lines show a message's ``argsrepr``: for a task whose
+    arguments name users, their log references, whoever sends it (the dispatcher, a
+    retry, which gives Celery's own repr, or an application's ``dream.run_user``)."""
+    celery = wakeup._app_for(broker_settings)
+    with celery.connection_for_write() as connection:
+        for queue in celery.conf.task_queues:
+            queue.bind(connection.default_channel).declare()
+    wakeup.send_user_runs(broker_settings, ["a", "b"])
+    celery.send_task("dream.run_users", args=[["c"]], argsrepr="(['c'],)")  # as a retry sends it
+    celery.send_task("dream.run_user", args=["d"])
+    celery.send_task("dream.run_user", kwargs={"user_id": "e"})
+    celery.send_task("signals.process", args=[7])
+    key = get_settings().log_hash_key  # the process's, as its log lines use
+
+    def shown(queue: str) -> list[tuple[str, str]]:
+        headers = [json.loads(raw)["headers"] for raw in redis_client.lrange(queue, 0, -1)]
+        return sorted((h["argsrepr"], h["kwargsrepr"]) for h in headers)
+
+    ref = {u: user_ref(u, key) for u in "abcde"}
+    assert shown("dreams") == sorted(
+        [
+            (repr([[ref["a"], ref["b"]]]), "{}"),
+            (repr([[ref["c"]]]), "{}"),
+            (repr([ref["d"]]), "{}"),
+            ("[]", repr({"user_id": ref["e"]})),
+        ]
+    )
+    assert shown("signals") == [("[7]", "{}")]  # another task's: as Celery shows it
 
 
 def test_importing_the_producer_loads_neither_celery_nor_kombu_nor_litellm() -> None:

@@ -32,7 +32,7 @@ from worker import metrics_server
 from worker.errors import ConfigError, ReverieError
 from worker.heap import freeze_loaded
 from worker.logging_setup import configure_logging, route_litellm_logging
-from worker.logs import get_logger, warn_if_public_hash_key
+from worker.logs import get_logger, user_ref, warn_if_public_hash_key
 from worker.metrics_server import refresh_pending_gauge
 from worker.settings import Settings, get_settings
 
@@ -263,6 +263,33 @@ def _task_postrun(task_id: str | None = None, state: str | None = None, **_: Any
     structlog.contextvars.clear_contextvars()
 
 
+def _show_users_by_reference(sender: str | None = None, headers: Any = None, body: Any = None, **_: Any) -> None:
+    """How Celery shows the arguments of a task that names users (task events, its log
+    lines): by the users' log references, whoever sends it (the dispatcher, a retry, an
+    application's ``dream.run_user``). (``celery inspect`` shows the message's own.)"""
+    if sender not in USER_TASKS or not isinstance(headers, dict):
+        return
+    key = get_settings().log_hash_key
+    args, kwargs = (body[0], body[1]) if isinstance(body, list | tuple) and len(body) >= 2 else ((), {})
+    headers["argsrepr"] = repr(_by_reference(args, key))
+    headers["kwargsrepr"] = repr(_by_reference(kwargs, key))
+
+
+#: Tasks whose arguments name users (as strings).
+USER_TASKS = frozenset({"dream.run_users", "dream.run_user"})
+
+
+def _by_reference(value: Any, key: str) -> Any:
+    if isinstance(value, str):
+        return user_ref(value, key)
+    if isinstance(value, dict):
+        return {name: _by_reference(item, key) for name, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_by_reference(item, key) for item in value]
+    return value
+
+
+signals.before_task_publish.connect(_show_users_by_reference)
 signals.setup_logging.connect(_setup_logging)
 signals.celeryd_init.connect(_celeryd_init)
 signals.worker_init.connect(_worker_init)

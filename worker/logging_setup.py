@@ -84,6 +84,13 @@ _USER_REF = re.compile(r"[0-9a-f]{12}")
 _PASSTHROUGH_KEYS = frozenset({"level", "logger", "timestamp", "task_id", "task_name", "run_id", "signal_id"})
 
 _TEXT_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
+    # Celery's error lines about a message it cannot run quote the message whole (its
+    # arguments name users; its headers carry them too).
+    (
+        re.compile(r"(The full contents of the message (?:body was|headers):)\s.*?(?=\n\n|\Z)", re.DOTALL),
+        r"\1 " + REDACTED,
+    ),
+    (re.compile(r"(Can't decode message body: ).*", re.DOTALL), r"\1" + REDACTED),
     # SQLAlchemy appends bound parameters (memory values) to its error messages.
     (re.compile(r"\[parameters: .*?\](?=\s*(?:\(|\[|$))", re.DOTALL), "[parameters: " + REDACTED + "]"),
     # PostgreSQL echoes the offending row's values in DETAIL lines.

@@ -12,11 +12,11 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from worker.errors import BrokerUnavailable
-from worker.logs import get_logger, user_ref
+from worker.logs import get_logger
 from worker.settings import Settings
 
 if TYPE_CHECKING:
@@ -61,17 +61,10 @@ def _app_for(settings: Settings) -> Celery:
         return _apps[settings.broker_url]
 
 
-def publish(
-    settings: Settings,
-    task_name: str,
-    args_list: Sequence[list[Any]],
-    shown: Callable[[list[Any]], str] | None = None,
-) -> int:
+def publish(settings: Settings, task_name: str, args_list: Sequence[list[Any]]) -> int:
     """Send one ``task_name`` message per argument list, routed like the app routes it.
     Returns the number sent; raises :class:`BrokerUnavailable` (with ``sent``) when the
-    broker fails part-way. ``shown(args)``: how the message's arguments are shown where
-    Celery shows them (its logs, task events, ``celery inspect``), for arguments that
-    name users.
+    broker fails part-way.
 
     The connection is kept for the next call (one per process and broker): a producer
     that enqueues signal after signal pays the connect and the queue declarations
@@ -86,13 +79,7 @@ def publish(
             try:
                 producer = _producer(celery)
                 for args in args_list[sent:]:
-                    celery.send_task(
-                        task_name,
-                        args=args,
-                        producer=producer,
-                        retry=False,
-                        argsrepr=shown(args) if shown is not None else None,
-                    )
+                    celery.send_task(task_name, args=args, producer=producer, retry=False)
                     sent += 1
                 return sent
             except _broker_errors(celery) as exc:
@@ -184,13 +171,8 @@ def wake_signals(settings: Settings, signal_ids: Sequence[int]) -> int:
 
 
 def send_user_runs(settings: Settings, user_ids: list[str]) -> None:
-    """One ``dream.run_users`` message for a chunk of users (the dispatcher). Celery shows
-    its arguments by the users' log references, never their ids."""
-    publish(settings, RUN_USERS, [[user_ids]], lambda args: _user_refs(settings, args[0]))
-
-
-def _user_refs(settings: Settings, user_ids: list[str]) -> str:
-    return repr([[user_ref(user_id, settings.log_hash_key) for user_id in user_ids]])
+    """One ``dream.run_users`` message for a chunk of users (the dispatcher)."""
+    publish(settings, RUN_USERS, [[user_ids]])
 
 
 def _first_line(exc: BaseException) -> str:

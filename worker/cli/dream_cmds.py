@@ -202,11 +202,11 @@ def policy_set(
     from store import policies
     from store.db import session_scope
     from worker.errors import ConfigError, InvalidSignal
-    from worker.payloads import check_identifier
+    from worker.payloads import check_lookup
     from worker.policy import parse_assignments
 
     try:
-        check_identifier("agent", agent, required=True)
+        check_lookup("agent", agent)
         changes = parse_assignments(assignments)
     except (ConfigError, InvalidSignal) as exc:
         fail(str(exc), code=2)

@@ -22,13 +22,16 @@ def erase_user(
     Signals for the user enqueued before the erasure are dropped; later ones are processed.
     """
     from tasks.erase import erase_user as erase
+    from worker.errors import InvalidSignal
+    from worker.payloads import check_lookup
 
-    # No user is named so. (Any other name is taken as it is, whatever Reverie would
-    # refuse to write: a host's own rows may name a user so, and are erased all the same.)
-    if not user:
-        fail("user: must not be empty", code=2)
-    if "\x00" in user:
-        fail("user: contains a NUL byte", code=2)
+    # Any name is taken as it is, whatever Reverie would refuse to write (spaces alone:
+    # a host's own rows may name a user so, and are erased all the same), but one no
+    # user can have.
+    try:
+        check_lookup("user", user)
+    except InvalidSignal as exc:
+        fail(str(exc), code=2)
     settings = load_settings()
     if not yes and sys.stdin.isatty():
         typer.confirm(f"Erase every row of user {user!r} everywhere? This cannot be undone", abort=True)
