@@ -1069,3 +1069,53 @@ def test_a_payload_on_standard_input_that_is_not_utf8_is_said_so(pg_settings: Se
     )
     assert done.returncode == 1
     assert done.stderr.decode().strip().splitlines() == ["reverie: error: payload - is not UTF-8 text"]
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+def test_a_worker_or_beat_without_a_broker_refuses_to_start(
+    command: str, pg_settings: Settings, tmp_path: Path
+) -> None:
+    """An empty broker URL is cron mode: Celery would otherwise take its own default
+    broker (an AMQP server on localhost) and send there without a word."""
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": ""}
+    result = run([command], env=env, cwd=tmp_path)
+    assert result.returncode == 1
+    assert_one_line_error(result, "REVERIE_BROKER_URL is empty", "reverie run")
+    # Started as Celery's own command, as the README also shows: it stops too.
+    started = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "worker.app", command, "--loglevel", "INFO"],
+        capture_output=True,
+        text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}, **env},
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert started.returncode != 0
+    output = started.stdout + started.stderr
+    assert "REVERIE_BROKER_URL is empty" in output and "amqp://" not in output, output[-2000:]
+    assert "Traceback" not in output and list(tmp_path.iterdir()) == []  # no beat state left either
+
+
+def test_health_of_the_broker_without_one_is_an_error(pg_settings: Settings) -> None:
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": ""}
+    result = run(["health", "--broker"], env=env)
+    assert result.returncode == 1
+    assert_one_line_error(result, "no broker: REVERIE_BROKER_URL is empty")
+
+
+def test_beat_with_a_state_file_it_cannot_write_is_a_usage_error(tmp_path: Path) -> None:
+    result = run(["beat", "--schedule", str(tmp_path / "missing" / "beat-state")])
+    assert result.returncode == 2
+    assert_one_line_error(result, "--schedule", "does not exist")
+
+
+def test_only_celerys_worker_and_beat_commands_count_as_started_without_a_broker() -> None:
+    from worker.celery_hooks import _celery_command
+
+    python_m = [sys.executable.replace("python", "celery/__main__.py")]
+    assert _celery_command(["/usr/bin/celery", "-A", "worker.app", "beat", "-s", "x"]) == "beat"
+    assert _celery_command([*python_m, "--app=worker.app", "-q", "worker", "-Q", "beat"]) == "worker"
+    assert _celery_command(["/usr/bin/celery", "-A", "worker.app", "inspect", "active"]) == "inspect"
+    # A user named so, in another command: not a worker or beat.
+    assert _celery_command(["/usr/local/bin/reverie", "run", "--user", "beat"]) is None

@@ -55,6 +55,39 @@ def _started_as_worker(argv: list[str]) -> bool:
     return runs_celery and "worker" in argv[1:]
 
 
+#: Celery's options that come before its command and take a value.
+_CELERY_VALUED_OPTIONS = frozenset({"-A", "--app", "-b", "--broker", "--result-backend", "--loader", "--config"})
+
+
+def _celery_command(argv: list[str]) -> str | None:
+    """The command of a ``celery`` process (``celery -A worker.app beat``: ``beat``), else None."""
+    program = Path(argv[0]).name if argv else ""
+    if program not in {"celery", "__main__.py"} and not argv[0].endswith(("/celery", "celery/__main__.py")):
+        return None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg in _CELERY_VALUED_OPTIONS:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def _refuse_without_a_broker(argv: list[str]) -> None:
+    """A worker or beat started with ``celery -A worker.app`` and no broker set: Celery
+    would take its own default (an AMQP server on localhost) without a word. It stops
+    here, before Celery reads its configuration. (``reverie worker`` and ``reverie beat``
+    refuse before they start Celery.)"""
+    process = _celery_command(argv) if argv else None
+    if process not in ("worker", "beat") or get_settings().broker_url:
+        return
+    configure_logging(get_settings())
+    log.error("no broker: REVERIE_BROKER_URL is empty", process=process, hint="cron mode runs `reverie run`")
+    raise SystemExit(1)
+
+
+_refuse_without_a_broker(sys.argv)
+
 # prometheus-client picks file-backed values only if the directory is named before
 # its first import. `reverie worker` names it before importing the app; this covers
 # `celery -A worker.app worker`, which imports this module before the task modules.

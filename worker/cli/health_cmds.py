@@ -39,6 +39,8 @@ def health(
     check_memory_table(settings)
     checked = [f"database at revision {head}"]
     if broker:
+        if not settings.broker_url:
+            fail("no broker: REVERIE_BROKER_URL is empty (cron mode, where nothing is sent)")
         _check_broker(settings.broker_url)
         checked.append("broker answers")
     if metrics:

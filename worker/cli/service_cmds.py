@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,6 +23,12 @@ ALL_QUEUES = "signals,dreams,housekeeping"
 def celery_argv(command: str, options: list[str], extra: list[str]) -> list[str]:
     """The command line that runs Celery's ``command`` for this app."""
     return [sys.executable, "-m", "celery", "-A", "worker.app", command, *options, *extra]
+
+
+NO_BROKER = (
+    "REVERIE_BROKER_URL is empty: a worker and beat need a broker (a redis:// URL); "
+    "without one, run `reverie run` from cron instead"
+)
 
 
 def _exec(argv: list[str]) -> None:
@@ -52,6 +59,8 @@ def worker(
         fail(f"unknown queue(s) {', '.join(sorted(unknown))}; expected some of {ALL_QUEUES}", code=2)
     # A service waits for its database (it says so as it starts) rather than refuse to start.
     settings = load_settings(database_must_exist=False)
+    if not settings.broker_url:
+        fail(NO_BROKER)
     # The children's metrics are summed from files; the directory must be named before
     # anything in the worker imports prometheus_client.
     prepare_multiprocess_dir()
@@ -76,7 +85,15 @@ def beat(
     loglevel: Annotated[str | None, typer.Option("--loglevel", "-l", help="Default REVERIE_LOG_LEVEL.")] = None,
 ) -> None:
     """Run Celery beat (the same as `celery -A worker.app beat`). Run exactly one."""
+    from worker.metrics_textfile import unwritable
+
+    if schedule is not None:
+        why = unwritable(Path(schedule))
+        if why is not None:
+            fail(f"--schedule {schedule}: {why}", code=2)
     settings = load_settings(database_must_exist=False)
+    if not settings.broker_url:
+        fail(NO_BROKER)
     options = ["--loglevel", loglevel or settings.log_level]
     if schedule is not None:
         options += ["--schedule", schedule]
