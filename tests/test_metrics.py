@@ -534,6 +534,8 @@ def test_a_fresh_worker_exports_every_family_at_zero_from_the_first_scrape(
         assert has("dream_signal_lag_seconds_count", kind=kind)
         for outcome in ("done", "rejected", "failed", "dead"):
             assert has("dream_signals_processed_total", kind=kind, outcome=outcome)
+    # A row inserted with another kind: rejected, counted under kind "unknown".
+    assert has("dream_signals_processed_total", kind="unknown", outcome="rejected")
     for scope in ("run", "day"):
         assert has("dream_budget_exhausted_total", scope=scope)
     for source in ("session_end", "feedback", "activity", "summarize"):

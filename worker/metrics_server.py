@@ -257,6 +257,8 @@ def initialise_label_sets(model: str | None = None) -> None:
         metrics.SIGNALS_DEAD.labels(kind)
         for outcome in metrics.SIGNAL_OUTCOMES:
             metrics.SIGNALS_PROCESSED.labels(kind, outcome)
+    # A row inserted with a kind Reverie does not know ends rejected, counted so.
+    metrics.SIGNALS_PROCESSED.labels("unknown", "rejected")
     for scope in metrics.BUDGET_SCOPES:
         metrics.BUDGET_EXHAUSTED.labels(scope)
     for source in metrics.MEMORY_WRITE_SOURCES:
