@@ -1119,3 +1119,21 @@ def test_only_celerys_worker_and_beat_commands_count_as_started_without_a_broker
     assert _celery_command(["/usr/bin/celery", "-A", "worker.app", "inspect", "active"]) == "inspect"
     # A user named so, in another command: not a worker or beat.
     assert _celery_command(["/usr/local/bin/reverie", "run", "--user", "beat"]) is None
+
+
+def test_a_misspelled_setting_is_named_at_the_start_of_a_pass(pg_settings: Settings) -> None:
+    # A misspelled cap keeps the default cap: the pass says which variables no setting reads.
+    env = {
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_MAX_COST_PER_DAYY": "3",
+        "reverie_max_cost_per_run": "0.5",  # read: the names are not case-sensitive
+        "REVERIE_TEST_ANYTHING": "x",  # the test suite's own
+        "REVERIE_LOG_FORMAT": "json",
+    }
+    result = run(["run", "--json"], env=env)
+    assert result.returncode == 0, result.stderr
+    warned = [json.loads(line) for line in result.stderr.splitlines() if '"unknown_settings"' in line]
+    assert len(warned) == 1, result.stderr
+    assert warned[0]["names"] == ["REVERIE_MAX_COST_PER_DAYY"] and warned[0]["level"] == "warning"
+    quiet = run(["run", "--json"], env={k: v for k, v in env.items() if k != "REVERIE_MAX_COST_PER_DAYY"})
+    assert "unknown_settings" not in quiet.stderr

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+from collections.abc import Mapping
 
 import structlog
 
@@ -30,7 +32,9 @@ def get_logger(name: str) -> structlog.stdlib.BoundLogger:
 def warn_if_public_hash_key(settings: Settings, *, process: str) -> bool:
     """Warn (once per process) that user ids in logs are hashed with the public default
     key; returns whether it warned. For the long-running services and cron passes:
-    with a key anyone knows, a known user id can be hashed and found in the logs."""
+    with a key anyone knows, a known user id can be hashed and found in the logs. Also
+    warns, once, of ``REVERIE_*`` variables no setting reads (:func:`warn_of_unknown_settings`)."""
+    warn_of_unknown_settings(process=process)
     if settings.log_hash_key != PUBLIC_LOG_HASH_KEY or process in _warned:
         return False
     _warned.add(process)
@@ -40,3 +44,23 @@ def warn_if_public_hash_key(settings: Settings, *, process: str) -> bool:
         hint="set REVERIE_LOG_HASH_KEY to a secret value of your own; user ids in logs are hashed with it",
     )
     return True
+
+
+def warn_of_unknown_settings(*, process: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Warn (once per process) of the ``REVERIE_*`` environment variables no setting reads:
+    a misspelled cap (``REVERIE_MAX_COST_PER_DAYY``) leaves the cap at its default.
+    Returns the names (never their values: one may hold a secret)."""
+    from worker.settings import unknown_settings
+
+    key = f"unknown:{process}"
+    names = unknown_settings(os.environ if environ is None else environ)
+    if not names or key in _warned:
+        return names
+    _warned.add(key)
+    get_logger("reverie.settings").warning(
+        "unknown_settings",
+        process=process,
+        names=names,
+        hint="no setting reads these: a misspelled one keeps its default (see docs/reference.md, Settings)",
+    )
+    return names

@@ -6,6 +6,7 @@ directory. Modules receive a :class:`Settings` instance; none reads ``os.environ
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
@@ -319,6 +320,24 @@ class Settings(BaseSettings):
         if "uri=true" in query.lower().split("&"):
             return location
         return str(Path(location).resolve())
+
+
+#: Variables of this prefix no setting reads but the project's own tools do: the test
+#: suite's (``REVERIE_TEST_*``) and the benchmarks' (``REVERIE_BENCH_*``).
+TOOL_PREFIXES = ("REVERIE_TEST_", "REVERIE_BENCH_")
+
+
+def unknown_settings(environ: Mapping[str, str]) -> list[str]:
+    """The ``REVERIE_*`` variables of ``environ`` that no setting reads (a misspelled one
+    leaves its setting at the default without a word), sorted."""
+    fields = {name.upper() for name in Settings.model_fields}
+    return sorted(
+        name
+        for name in environ
+        if name.upper().startswith("REVERIE_")
+        and not name.upper().startswith(TOOL_PREFIXES)
+        and name.upper().removeprefix("REVERIE_") not in fields
+    )
 
 
 @lru_cache(maxsize=1)
