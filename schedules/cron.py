@@ -54,12 +54,16 @@ class PassReport:
     errors: list[str] = field(default_factory=list)
     #: Users named to the pass (``--user``) with no entries and no schedule row: not dreamed.
     users_unknown: list[str] = field(default_factory=list)
+    #: Users the pass skipped because another run held them (not in the JSON object:
+    #: ``reverie run --user`` names those it was asked for).
+    busy: list[str] = field(default_factory=list, repr=False)
 
     def add(self, outcome: RunOutcome) -> None:
         if outcome.run_id is not None:
             self.run_ids.append(outcome.run_id)
         if outcome.status == "skipped":
             self.users_skipped += 1
+            self.busy.append(outcome.user_id)
             return
         if outcome.status == "failed":
             self.users_failed += 1
@@ -78,7 +82,9 @@ class PassReport:
         self.cost_usd = round(self.cost_usd + outcome.cost_usd, 9)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["busy"]
+        return data
 
 
 def users_for(settings: Settings, *, users: Sequence[str], all_users: bool) -> tuple[list[str], list[str]]:

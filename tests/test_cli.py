@@ -1137,3 +1137,25 @@ def test_a_misspelled_setting_is_named_at_the_start_of_a_pass(pg_settings: Setti
     assert warned[0]["names"] == ["REVERIE_MAX_COST_PER_DAYY"] and warned[0]["level"] == "warning"
     quiet = run(["run", "--json"], env={k: v for k, v in env.items() if k != "REVERIE_MAX_COST_PER_DAYY"})
     assert "unknown_settings" not in quiet.stderr
+
+
+def test_run_names_a_user_it_was_asked_for_and_another_run_holds(pg_settings: Settings) -> None:
+    # A worker's run (or another pass) holds u-held: `run --user` did not dream them, so
+    # it says so and does not exit 0; the user it could dream is dreamed.
+    from datetime import timedelta
+
+    from store import locks
+    from store.db import session_scope
+
+    seed(pg_settings, [entry("u-held", "city", "Lisbon"), entry("u-free", "city", "Porto")])
+    with session_scope(pg_settings) as session:
+        assert locks.acquire(session, "u-held", "another-run", timedelta(minutes=10))
+    result = run(
+        ["run", "--user", "u-held", "--user", "u-free", "--json"],
+        env={"REVERIE_DATABASE_URL": pg_settings.database_url},
+    )
+    assert result.returncode == 1, result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["users_processed"], summary["users_skipped"]) == (1, 1)
+    assert "busy" not in summary
+    assert "reverie: not dreamed, another run holds --user u-held (" in result.stderr

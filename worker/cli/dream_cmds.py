@@ -81,16 +81,24 @@ def run(
     else:
         _print_report(data)
     # Before the metrics are written: a failure to write them ends the command.
-    needs_a_look = _say_what_needs_a_look(report)
+    needs_a_look = _say_what_needs_a_look(report, named=user or ())
     if metrics_textfile is not None:
         _write_metrics(settings, metrics_textfile)
     if report.users_failed or needs_a_look:
         raise typer.Exit(1)
 
 
-def _say_what_needs_a_look(report: PassReport) -> bool:
+def _say_what_needs_a_look(report: PassReport, *, named: Sequence[str] = ()) -> bool:
     """One line on stderr for each thing of the pass nothing will mend on its own:
     named users not dreamed, signals that ended dead. Whether there was any."""
+    busy = [u for u in dict.fromkeys(named) if u in set(report.busy)]
+    if busy:
+        # Asked for by name, not dreamed: another run (a worker's, another pass) holds them.
+        print(
+            f"reverie: not dreamed, another run holds --user {', '.join(busy)} "
+            "(it dreams them; try again once it ends)",
+            file=sys.stderr,
+        )
     if report.users_unknown:
         named = ", ".join(report.users_unknown)
         print(
@@ -106,7 +114,7 @@ def _say_what_needs_a_look(report: PassReport) -> bool:
             "(`reverie signals list --status dead` says why; `reverie signals retry` once mended)",
             file=sys.stderr,
         )
-    return bool(report.users_unknown or report.signals_dead)
+    return bool(busy or report.users_unknown or report.signals_dead)
 
 
 def _write_metrics(settings: Settings, path: Path) -> None:
