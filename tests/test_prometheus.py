@@ -47,7 +47,56 @@ def test_promtool_accepts_the_rules() -> None:
         [tool("promtool"), "check", "rules", str(OPS / "alerts.yml")], check=False, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 7 rules found" in result.stdout
+
+
+def test_the_stale_gauges_alert_fires_when_the_gauges_stop_being_read(tmp_path: Path) -> None:
+    """Prometheus's own rule evaluation (``promtool test rules``) over two workers' pages:
+    one whose queue gauges are read every 15 s (beat and the broker up), and the same
+    after the reads stop (a broker outage): the alert fires only for the second."""
+    tests = {
+        "rule_files": [str(OPS / "alerts.yml")],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                # Read every 15 s: the timestamp keeps up with the clock.
+                "input_series": [
+                    {"series": 'dream_signals_gauges_read_timestamp_seconds{job="reverie"}', "values": "0+15x40"}
+                ],
+                "alert_rule_test": [{"eval_time": "9m", "alertname": "ReverieQueueGaugesStale", "exp_alerts": []}],
+            },
+            {
+                "interval": "15s",
+                # Read until 2 min, then never again (the page still answers, the value frozen).
+                "input_series": [
+                    {"series": 'dream_signals_gauges_read_timestamp_seconds{job="reverie"}', "values": "0+15x8 120x32"}
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "4m", "alertname": "ReverieQueueGaugesStale", "exp_alerts": []},
+                    {
+                        "eval_time": "6m",
+                        "alertname": "ReverieQueueGaugesStale",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "warning"},
+                                "exp_annotations": {
+                                    "summary": "The signal queue gauges have not been read for more than 2 minutes",
+                                    "description": "The gauges (and the alerts on pending and dead signals) are 4m "
+                                    "0s old: beat, the broker or the database is not reaching the workers.",
+                                    "runbook": "ops/RUNBOOK.md#reveriequeuegaugesstale",
+                                },
+                            }
+                        ],
+                    },
+                ],
+            },
+        ],
+    }
+    path = tmp_path / "stale.test.yml"
+    path.write_text(yaml.safe_dump(tests), "utf-8")
+    result = subprocess.run([tool("promtool"), "test", "rules", str(path)], check=False, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_promtool_accepts_the_config() -> None:
@@ -239,6 +288,9 @@ def test_prometheus_scrapes_a_real_worker(pg_settings: Settings, processes: Proc
 
     assert target["health"] == "up", target
     assert target["labels"]["job"] == "reverie"
+    # The queue gauges were read from the database (at start, then on beat's schedule).
+    read_ago = instant(web_port, 'time() - max(dream_signals_gauges_read_timestamp_seconds{job="reverie"})')
+    assert read_ago is not None and 0 <= read_ago < 120, read_ago
     assert done == 3.0
     assert rejected == 1.0
     assert users == 1.0

@@ -56,6 +56,13 @@ SIGNALS_OLDEST_PENDING_AGE = Gauge(
     "Age of the oldest pending signal (0 when none is pending).",
     multiprocess_mode="mostrecent",
 )
+# The queue gauges are read on beat's schedule, through the broker: with either down
+# they keep their last values. This says when they were read (0: not yet).
+SIGNALS_GAUGES_READ_AT = Gauge(
+    "dream_signals_gauges_read_timestamp_seconds",
+    "When the queue gauges were last read from the database (Unix time; 0: not yet).",
+    multiprocess_mode="mostrecent",
+)
 MEMORY_WRITES = Counter(
     "dream_memory_writes_total", "Writes to the memory table, by source and action.", ["source", "action"]
 )

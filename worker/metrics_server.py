@@ -350,6 +350,7 @@ def _first_gauge_values(settings: Settings) -> None:
             metrics.SIGNALS_PENDING.labels(kind).set(0)
             metrics.SIGNALS_DEAD.labels(kind).set(0)
         metrics.SIGNALS_OLDEST_PENDING_AGE.set(0)
+        metrics.SIGNALS_GAUGES_READ_AT.set(0)  # not read: the stale-gauges alert says so
     finally:
         dispose_engines()
 
@@ -377,4 +378,5 @@ def refresh_pending_gauge(settings: Settings) -> dict[str, int]:
         metrics.SIGNALS_DEAD.labels(kind).set(int(by_status.get((kind, "dead"), 0)))
     age = 0.0 if oldest is None else max((now() - oldest).total_seconds(), 0.0)
     metrics.SIGNALS_OLDEST_PENDING_AGE.set(age)
+    metrics.SIGNALS_GAUGES_READ_AT.set_to_current_time()
     return pending
