@@ -1117,8 +1117,9 @@ def test_only_celerys_worker_and_beat_commands_count_as_started_without_a_broker
     assert _celery_command(["/usr/bin/celery", "-A", "worker.app", "beat", "-s", "x"]) == "beat"
     assert _celery_command([*python_m, "--app=worker.app", "-q", "worker", "-Q", "beat"]) == "worker"
     assert _celery_command(["/usr/bin/celery", "-A", "worker.app", "inspect", "active"]) == "inspect"
-    # A user named so, in another command: not a worker or beat.
+    # A user named so, in another command, or another module run with -m: not a worker or beat.
     assert _celery_command(["/usr/local/bin/reverie", "run", "--user", "beat"]) is None
+    assert _celery_command(["/repo/tests/__main__.py", "-k", "beat"]) is None
 
 
 def test_a_misspelled_setting_is_named_at_the_start_of_a_pass(pg_settings: Settings) -> None:

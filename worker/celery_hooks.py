@@ -61,8 +61,8 @@ _CELERY_VALUED_OPTIONS = frozenset({"-A", "--app", "-b", "--broker", "--result-b
 
 def _celery_command(argv: list[str]) -> str | None:
     """The command of a ``celery`` process (``celery -A worker.app beat``: ``beat``), else None."""
-    program = Path(argv[0]).name if argv else ""
-    if program not in {"celery", "__main__.py"} and not argv[0].endswith(("/celery", "celery/__main__.py")):
+    # ``celery``, or ``python -m celery`` (whose argv[0] is celery's ``__main__.py``).
+    if Path(argv[0]).name != "celery" and not argv[0].endswith("celery/__main__.py"):
         return None
     args = iter(argv[1:])
     for arg in args:
