@@ -1113,7 +1113,7 @@ def test_beat_with_a_state_file_it_cannot_write_is_a_usage_error(tmp_path: Path)
 def test_only_celerys_worker_and_beat_commands_count_as_started_without_a_broker() -> None:
     from worker.celery_hooks import _celery_command
 
-    python_m = [sys.executable.replace("python", "celery/__main__.py")]
+    python_m = ["/venv/lib/python3.11/site-packages/celery/__main__.py"]  # python -m celery
     assert _celery_command(["/usr/bin/celery", "-A", "worker.app", "beat", "-s", "x"]) == "beat"
     assert _celery_command([*python_m, "--app=worker.app", "-q", "worker", "-Q", "beat"]) == "worker"
     assert _celery_command(["/usr/bin/celery", "-A", "worker.app", "inspect", "active"]) == "inspect"
