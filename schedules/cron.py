@@ -22,7 +22,7 @@ from typing import Any
 from store import schedule
 from store.db import get_engine, session_scope
 from store.types import db_now
-from tasks.dream import RunOutcome, dream_users
+from tasks.dream import UNKNOWN_USER, RunOutcome, dream_users
 from worker.budget import reap_expired
 from worker.settings import Settings
 from worker.url_secrets import mask_secrets
@@ -63,7 +63,8 @@ class PassReport:
             self.run_ids.append(outcome.run_id)
         if outcome.status == "skipped":
             self.users_skipped += 1
-            self.busy.append(outcome.user_id)
+            if outcome.error != UNKNOWN_USER:  # not erased meanwhile: held by another run
+                self.busy.append(outcome.user_id)
             return
         if outcome.status == "failed":
             self.users_failed += 1

@@ -1095,6 +1095,50 @@ def test_a_worker_or_beat_without_a_broker_refuses_to_start(
     output = started.stdout + started.stderr
     assert "REVERIE_BROKER_URL is empty" in output and "amqp://" not in output, output[-2000:]
     assert "Traceback" not in output and list(tmp_path.iterdir()) == []  # no beat state left either
+    # Celery's own options in front of the command: still no broker, still refused.
+    workdir = subprocess.run(
+        [sys.executable, "-m", "celery", "--workdir", str(tmp_path), "-A", "worker.app", command],
+        capture_output=True,
+        text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}, **env},
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert workdir.returncode != 0 and "REVERIE_BROKER_URL is empty" in workdir.stdout + workdir.stderr
+
+
+def test_a_broker_given_on_celerys_command_line_is_a_broker(pg_settings: Settings, tmp_path: Path) -> None:
+    # `celery -b URL` (or CELERY_BROKER_URL) with REVERIE_BROKER_URL empty: Celery uses
+    # that broker, and the worker starts (it is stopped once it says it is ready).
+    from tests.processes import free_port
+
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("REVERIE_") and k != "CELERY_BROKER_URL"},
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_BROKER_URL": "",
+        "REVERIE_METRICS_PORT": str(free_port()),
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"),
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+    broker = os.environ.get("REVERIE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    argv = [sys.executable, "-m", "celery", "-A", "worker.app", "-b", broker, "worker", "-Q", "signals"]
+    argv += ["-c", "1", "-P", "solo", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if "ready." in line or len(seen) > 400:
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    output = "".join(seen)
+    assert "ready." in output and "REVERIE_BROKER_URL is empty" not in output, output[-2000:]
 
 
 def test_health_of_the_broker_without_one_is_an_error(pg_settings: Settings) -> None:

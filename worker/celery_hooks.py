@@ -56,7 +56,9 @@ def _started_as_worker(argv: list[str]) -> bool:
 
 
 #: Celery's options that come before its command and take a value.
-_CELERY_VALUED_OPTIONS = frozenset({"-A", "--app", "-b", "--broker", "--result-backend", "--loader", "--config"})
+_CELERY_VALUED_OPTIONS = frozenset(
+    {"-A", "--app", "-b", "--broker", "--result-backend", "--loader", "--config", "--workdir"}
+)
 
 
 def _celery_command(argv: list[str]) -> str | None:
@@ -79,7 +81,9 @@ def _refuse_without_a_broker(argv: list[str]) -> None:
     here, before Celery reads its configuration. (``reverie worker`` and ``reverie beat``
     refuse before they start Celery.)"""
     process = _celery_command(argv) if argv else None
-    if process not in ("worker", "beat") or get_settings().broker_url:
+    # Celery's own ``-b``/``--broker`` is put in CELERY_BROKER_URL before the app is
+    # imported, and that variable comes before the app's setting: either is a broker.
+    if process not in ("worker", "beat") or get_settings().broker_url or os.environ.get("CELERY_BROKER_URL"):
         return
     configure_logging(get_settings())
     log.error("no broker: REVERIE_BROKER_URL is empty", process=process, hint="cron mode runs `reverie run`")
