@@ -172,12 +172,7 @@ def test_beat_adopts_the_users_already_there_when_it_starts(service: Service, db
     )
     # The last runs close and log after the count is reached: wait until nothing runs
     # and the logs have stopped growing before the quiet time starts.
-    wait_until(
-        "no run is left running",
-        lambda: db.value("SELECT count(*) FROM dream_runs WHERE status = 'running'") == 0,
-        60,
-        service,
-    )
+    _wait_until_no_run_is_running(db, service)
     wait_until("the logs settle", lambda: _logs_still_for(service, 2.0), 60, service)
     idle_from = {log.name: len(log.read_text().splitlines()) for log in service.tmp.glob("*.log")}
     time.sleep(6)  # six dispatch and sweep ticks (1 s each), nothing to do
@@ -188,6 +183,15 @@ def test_beat_adopts_the_users_already_there_when_it_starts(service: Service, db
         assert quiet not in everything, quiet
     grown = {name: text.splitlines()[idle_from[name] :] for name, text in logs.items()}
     assert all(len(lines) <= 3 for lines in grown.values()), grown
+
+
+def _wait_until_no_run_is_running(db: Db, service: Service) -> None:
+    wait_until(
+        "no run is left running",
+        lambda: db.value("SELECT count(*) FROM dream_runs WHERE status = 'running'") == 0,
+        60,
+        service,
+    )
 
 
 def _logs_still_for(service: Service, seconds: float) -> bool:
@@ -225,12 +229,7 @@ def test_at_debug_no_log_line_names_a_user_or_quotes_a_value(pg_settings: Settin
             90,
             service,
         )
-        wait_until(
-            "no run is left running",
-            lambda: db.value("SELECT count(*) FROM dream_runs WHERE status = 'running'") == 0,
-            60,
-            service,
-        )
+        _wait_until_no_run_is_running(db, service)
         time.sleep(2)  # the run's last lines (at DEBUG the ticks go on logging: no quiet to wait for)
         logs = {log.name: log.read_text(errors="replace") for log in tmp_path.glob("*.log")}
         everything = "\n".join(logs.values())

@@ -1082,30 +1082,27 @@ def test_a_worker_or_beat_without_a_broker_refuses_to_start(
     assert result.returncode == 1
     assert_one_line_error(result, "REVERIE_BROKER_URL is empty", "reverie run")
     # Started as Celery's own command, as the README also shows: it stops too.
-    started = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "worker.app", command, "--loglevel", "INFO"],
-        capture_output=True,
-        text=True,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}, **env},
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
-    )
+    started = _celery(["-A", "worker.app", command, "--loglevel", "INFO"], env, tmp_path)
     assert started.returncode != 0
     output = started.stdout + started.stderr
     assert "REVERIE_BROKER_URL is empty" in output and "amqp://" not in output, output[-2000:]
     assert "Traceback" not in output and list(tmp_path.iterdir()) == []  # no beat state left either
     # Celery's own options in front of the command: still no broker, still refused.
-    workdir = subprocess.run(
-        [sys.executable, "-m", "celery", "--workdir", str(tmp_path), "-A", "worker.app", command],
+    workdir = _celery(["--workdir", str(tmp_path), "-A", "worker.app", command], env, tmp_path)
+    assert workdir.returncode != 0 and "REVERIE_BROKER_URL is empty" in workdir.stdout + workdir.stderr
+
+
+def _celery(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m celery ARGS`` with ``env`` over this environment less its REVERIE_ variables."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", *args],
         capture_output=True,
         text=True,
         env={**{k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}, **env},
-        cwd=tmp_path,
+        cwd=cwd,
         timeout=120,
         check=False,
     )
-    assert workdir.returncode != 0 and "REVERIE_BROKER_URL is empty" in workdir.stdout + workdir.stderr
 
 
 def test_a_broker_given_on_celerys_command_line_is_a_broker(pg_settings: Settings, tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from worker import metrics_server
 from worker.errors import ConfigError, ReverieError
 from worker.heap import freeze_loaded
 from worker.logging_setup import configure_logging, route_litellm_logging
-from worker.logs import get_logger, user_ref, warn_if_public_hash_key
+from worker.logs import get_logger, user_ref, warn_if_public_hash_key, warn_of_unknown_settings
 from worker.metrics_server import refresh_pending_gauge
 from worker.settings import Settings, get_settings
 
@@ -49,12 +49,6 @@ _CONTEXT_KWARGS = ("run_id", "signal_id")
 ADOPT_AT_START_EXPIRES = 3600.0
 
 
-def _started_as_worker(argv: list[str]) -> bool:
-    program = Path(argv[0]).name if argv else ""
-    runs_celery = program in {"celery", "reverie", "__main__.py"} or argv[0].endswith(("/celery", "celery/__main__.py"))
-    return runs_celery and "worker" in argv[1:]
-
-
 #: Celery's options that come before its command and take a value.
 _CELERY_VALUED_OPTIONS = frozenset(
     {"-A", "--app", "-b", "--broker", "--result-backend", "--loader", "--config", "--workdir"}
@@ -64,7 +58,7 @@ _CELERY_VALUED_OPTIONS = frozenset(
 def _celery_command(argv: list[str]) -> str | None:
     """The command of a ``celery`` process (``celery -A worker.app beat``: ``beat``), else None."""
     # ``celery``, or ``python -m celery`` (whose argv[0] is celery's ``__main__.py``).
-    if Path(argv[0]).name != "celery" and not argv[0].endswith("celery/__main__.py"):
+    if not argv or (Path(argv[0]).name != "celery" and not argv[0].endswith("celery/__main__.py")):
         return None
     args = iter(argv[1:])
     for arg in args:
@@ -80,7 +74,7 @@ def _refuse_without_a_broker(argv: list[str]) -> None:
     would take its own default (an AMQP server on localhost) without a word. It stops
     here, before Celery reads its configuration. (``reverie worker`` and ``reverie beat``
     refuse before they start Celery.)"""
-    process = _celery_command(argv) if argv else None
+    process = _celery_command(argv)
     # Celery's own ``-b``/``--broker`` is put in CELERY_BROKER_URL before the app is
     # imported, and that variable comes before the app's setting: either is a broker.
     if process not in ("worker", "beat") or get_settings().broker_url or os.environ.get("CELERY_BROKER_URL"):
@@ -95,7 +89,7 @@ _refuse_without_a_broker(sys.argv)
 # prometheus-client picks file-backed values only if the directory is named before
 # its first import. `reverie worker` names it before importing the app; this covers
 # `celery -A worker.app worker`, which imports this module before the task modules.
-if _started_as_worker(sys.argv) and "prometheus_client.values" not in sys.modules:
+if _celery_command(sys.argv) == "worker" and "prometheus_client.values" not in sys.modules:
     metrics_server.prepare_multiprocess_dir()
 
 
@@ -122,6 +116,7 @@ def _worker_init(**_: Any) -> None:
     # worker_init comes before Celery's setup_logging; these first lines need the format too.
     configure_logging(settings)
     warn_if_public_hash_key(settings, process="worker")
+    warn_of_unknown_settings(process="worker")
     _check_database(settings)
     _preload_key_matcher(settings)
     _preload_gateway(settings)
@@ -210,6 +205,7 @@ def _beat_init(sender: Any = None, **_: Any) -> None:
     from kombu.exceptions import OperationalError as BrokerError
 
     warn_if_public_hash_key(get_settings(), process="beat")
+    warn_of_unknown_settings(process="beat")
     if sender is None:
         return
     try:

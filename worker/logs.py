@@ -32,9 +32,7 @@ def get_logger(name: str) -> structlog.stdlib.BoundLogger:
 def warn_if_public_hash_key(settings: Settings, *, process: str) -> bool:
     """Warn (once per process) that user ids in logs are hashed with the public default
     key; returns whether it warned. For the long-running services and cron passes:
-    with a key anyone knows, a known user id can be hashed and found in the logs. Also
-    warns, once, of ``REVERIE_*`` variables no setting reads (:func:`warn_of_unknown_settings`)."""
-    warn_of_unknown_settings(process=process)
+    with a key anyone knows, a known user id can be hashed and found in the logs."""
     if settings.log_hash_key != PUBLIC_LOG_HASH_KEY or process in _warned:
         return False
     _warned.add(process)

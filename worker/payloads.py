@@ -140,11 +140,7 @@ def check_identifier(field: str, value: Any, *, required: bool) -> str | None:
         raise InvalidSignal(field, f"must be a string, not {type(value).__name__}")
     if not value.strip():
         raise InvalidSignal(field, "must not be empty")
-    if len(value) > MAX_ID_LENGTH:
-        raise InvalidSignal(field, f"is {len(value)} characters long; at most {MAX_ID_LENGTH} allowed")
-    if "\x00" in value:
-        raise InvalidSignal(field, "contains a NUL byte")
-    return value
+    return check_lookup(field, value)
 
 
 def check_lookup(field: str, value: str) -> str:

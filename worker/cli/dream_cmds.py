@@ -51,13 +51,14 @@ def run(
         if why is not None:
             fail(f"--metrics-textfile {metrics_textfile}: {why}", code=2)
     from worker.heap import freeze_loaded
-    from worker.logs import warn_if_public_hash_key
+    from worker.logs import warn_if_public_hash_key, warn_of_unknown_settings
 
     settings = load_settings()  # logging to stderr too: --json output stays one JSON object
     check_connection(settings)
     check_memory_table(settings)
     # After the connection check, so a database that is not there is still one line.
     warn_if_public_hash_key(settings, process="run")
+    warn_of_unknown_settings(process="run")
     # What is loaded by now lives as long as the process: the collector is kept off it
     # (a pass over 1,000 users: 2.4 s to 2.1 s).
     freeze_loaded()
