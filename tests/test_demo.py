@@ -110,3 +110,18 @@ def test_the_demo_runs_the_same_whatever_reverie_settings_the_shell_has(tmp_path
     result = _reverie(["demo"], tmp_path, env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "pass: users 3, pruned 3, contradictions 2" in " ".join(result.stdout.split())
+
+
+def test_at_80_columns_the_demos_tables_fit_and_keep_keys_whole(tmp_path: Path) -> None:
+    """A terminal 80 columns wide: no table is cut at its right edge, and a key is not
+    broken mid-word while the columns of prose beside it could wrap at their spaces."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    env.update({"REVERIE_BROKER_URL": "", "NO_PROXY": "*", "COLUMNS": "80"})
+    result = _reverie(["demo"], tmp_path, env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if not LOG_LINE.match(line)]
+    tables = [line for line in lines if line[:1] in "┏┃┡│└"]
+    assert tables and all(len(line) <= 80 and line[-1] in "┓┃┩│┘" for line in tables), tables
+    candidates = "\n".join(lines[lines.index(next(x for x in lines if "Candidate memories" in x)) :])
+    for key in ("favourite_colour", "preferred_language", "response_length", "response_format"):
+        assert f" {key} " in candidates, key

@@ -219,13 +219,38 @@ def _summarize(settings: Settings, result: Any) -> dict[str, Any]:
         }
 
 
+#: Columns that hold names, a key first (it is what a reader looks for): each is made
+#: as wide as its longest name as far as the console's width allows once every column
+#: has ``PROSE_CHARS`` (or its own width, if less); the rest fold, and prose (a value, a
+#: verdict) wraps at its spaces.
+NAME_COLUMNS = ("key", "normalised key", "user", "kind", "status", "reason", "category", "source", "action")
+PROSE_CHARS = 10
+
+
 def _table(out: Console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     table = Table(title=title)
-    for column in columns:
-        table.add_column(column, overflow="fold")
+    for column, width in zip(columns, _name_widths(out.width, columns, rows), strict=True):
+        table.add_column(column, overflow="fold", width=width)
     for row in rows:
         table.add_row(*row)
     out.print(table)
+
+
+def _name_widths(width: int, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[int | None]:
+    """The width of each name column given more than ``PROSE_CHARS`` (None: rich's choice)."""
+    widest = [max(len(column), *(len(row[i]) for row in rows)) for i, column in enumerate(columns)]
+    least = [min(w, PROSE_CHARS) for w in widest]
+    # Each column takes its padding and a rule: 3 characters, and one more for the table.
+    room = width - 3 * len(columns) - 1 - sum(least)
+    widths: list[int | None] = [None] * len(columns)
+    for name in NAME_COLUMNS:
+        if name in columns and room > 0:
+            index = columns.index(name)
+            more = min(widest[index] - least[index], room)
+            if more > 0:
+                widths[index] = least[index] + more
+                room -= more
+    return widths
 
 
 def _verdict(accepted: bool, outcome: str) -> str:
