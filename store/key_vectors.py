@@ -5,10 +5,10 @@ A sweep over users whose keys were all seen before reads vectors and runs no mod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import Connection, delete, select
+from sqlalchemy import Connection, delete, event, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -35,8 +35,9 @@ def load(session: Session, model: str, norm_keys: Iterable[str]) -> dict[str, by
     return found
 
 
-def save(session: Session, model: str, vectors: Mapping[str, bytes]) -> None:
-    """Store new vectors; one another worker stored first is kept, in key order.
+def save(session: Session, model: str, vectors: Mapping[str, bytes], *, then: Callable[[], None] | None = None) -> None:
+    """Store new vectors; one another worker stored first is kept, in key order; ``then``
+    is called once they are committed (never if their transaction rolls back).
 
     On PostgreSQL they are committed at once in a transaction of their own: they hold
     no user id (an erasure deletes those of its user's keys: :func:`forget`), and
@@ -49,9 +50,13 @@ def save(session: Session, model: str, vectors: Mapping[str, bytes]) -> None:
     if bind.dialect.name != "postgresql":
         # SQLite has one writer: a second connection would wait for the caller's.
         _insert(session, sqlite_insert, rows)
+        if then is not None:
+            _once_committed(session, then)
         return
     with Session(bind=bind.engine if isinstance(bind, Connection) else bind) as own, own.begin():
         _insert(own, pg_insert, rows)
+    if then is not None:
+        then()
 
 
 def forget(session: Session, norm_keys: Iterable[str]) -> int:
@@ -98,5 +103,31 @@ def prepare(session: Session, matcher: KeyMatcher, keys: Iterable[str], *, propo
         new = {form: vector for form, vector in computed.items() if form in kept}
         matcher.hold_back(computed.keys() - new.keys())
     # And a proposed key's vector this process held back, now that a row holds the key.
-    save(session, model, {**matcher.held_back(held), **new})
+    back = matcher.held_back(held)
+    save(session, model, {**back, **new}, then=(lambda: matcher.stored(back)) if back else None)
     return len(computed)
+
+
+#: ``Session.info``'s key for what to do once the session's transaction commits.
+_ON_COMMIT = "reverie.key_vectors.on_commit"
+
+
+def _once_committed(session: Session, then: Callable[[], None]) -> None:
+    """Call ``then`` when the session's transaction commits; never if it rolls back."""
+    pending = session.info.get(_ON_COMMIT)
+    if pending is None:
+        pending = session.info[_ON_COMMIT] = []
+        event.listen(session, "after_commit", _committed)
+        event.listen(session, "after_rollback", _rolled_back)
+    pending.append(then)
+
+
+def _committed(session: Session) -> None:
+    pending = session.info[_ON_COMMIT]
+    done, pending[:] = list(pending), []
+    for then in done:
+        then()
+
+
+def _rolled_back(session: Session) -> None:
+    session.info[_ON_COMMIT].clear()

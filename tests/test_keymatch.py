@@ -543,3 +543,35 @@ def test_a_proposed_key_written_as_a_new_entry_has_its_vector_stored_by_the_next
     dream_users(settings, ["ann"])
     assert second.embedder.inferences == 0
     forget_matchers()
+
+
+def test_a_held_back_vector_whose_write_rolls_back_is_stored_by_the_next_write(store_settings: Settings) -> None:
+    # A proposed key's vector is held in memory; once a row holds the key, the next
+    # prepare stores it: on PostgreSQL at once, in a transaction of its own; on SQLite in
+    # the caller's. If that one rolls back, the vector is still held back, and the next
+    # prepare stores it (else every new process would run the model on that key again).
+    from store.models import KeyVector
+
+    settings = store_settings.model_copy(update={"key_matching": "embedding"})
+    forget_matchers()
+    matcher = get_matcher(settings)
+    form = matcher.normalise("jane_doe_mobile_number")
+
+    def forms() -> set[str]:
+        with session_scope(settings) as session:
+            return set(session.scalars(select(KeyVector.norm_key)))
+
+    with session_scope(settings) as session:
+        assert key_vectors.prepare(session, matcher, [], proposed=["jane_doe_mobile_number"]) == 1
+    assert form not in forms()
+    with pytest.raises(RuntimeError), session_scope(settings) as session:
+        key_vectors.prepare(session, matcher, ["jane_doe_mobile_number"])
+        raise RuntimeError("the caller's transaction fails after the write")
+    on_postgresql = settings.database_url.startswith("postgresql")
+    assert (form in forms()) == on_postgresql
+    with session_scope(settings) as session:
+        assert key_vectors.prepare(session, matcher, ["jane_doe_mobile_number"]) == 0
+    assert form in forms()
+    # Stored and committed: no longer held back.
+    assert matcher.held_back(["jane_doe_mobile_number"]) == {}
+    forget_matchers()

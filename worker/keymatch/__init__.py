@@ -163,13 +163,18 @@ class KeyMatcher:
 
     def held_back(self, keys: Iterable[str]) -> dict[str, bytes]:
         """The vectors held back (:meth:`hold_back`) of these keys' rules forms, as bytes
-        for the cache table; they are not held back any more."""
+        for the cache table. They stay held back until :meth:`stored` says they were
+        stored (the write's transaction may still roll back)."""
         if not self._unstored:
             return {}
         with self._lock:
             forms = {n for n in map(self.normalise, keys) if n in self._unstored and n in self._index}
-            self._unstored -= forms
             return {n: self._matrix[self._index[n]].tobytes() for n in sorted(forms)}
+
+    def stored(self, forms: Iterable[str]) -> None:
+        """Vectors of :meth:`held_back` that a committed transaction stored: not held back any more."""
+        with self._lock:
+            self._unstored.difference_update(forms)
 
     def remember(self, vectors: Mapping[str, bytes]) -> None:
         """Take vectors (rules form -> float32 bytes) read from the cache table."""
