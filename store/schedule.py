@@ -7,8 +7,8 @@ table and no state row yet (a host database Reverie has never seen).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import case, or_, select, text, union, update
@@ -142,7 +142,7 @@ def defer(session: Session, user_id: str, next_at: datetime) -> None:
 _PG_DREAMED = text(
     """
 INSERT INTO dream_user_state (user_id, last_dream_at, next_dream_at, dirty_since)
-SELECT u, :at, :next_at, NULL FROM unnest(CAST(:ids AS varchar[])) AS u
+SELECT u, :at, n, NULL FROM unnest(CAST(:ids AS varchar[]), CAST(:next_ats AS timestamp[])) AS t(u, n)
 ON CONFLICT (user_id) DO UPDATE SET
     last_dream_at = EXCLUDED.last_dream_at,
     next_dream_at = EXCLUDED.next_dream_at,
@@ -151,16 +151,28 @@ ON CONFLICT (user_id) DO UPDATE SET
 )
 
 
-def mark_dreamed_many(session: Session, user_ids: Sequence[str], at: datetime, next_at: datetime) -> None:
-    """:func:`mark_dreamed` for several users whose dreams started at ``at`` (one statement)."""
-    if not user_ids:
+def next_dreams(user_ids: Sequence[str], after: datetime, interval: timedelta) -> dict[str, datetime]:
+    """Each user's next scheduled dream after one that ended at ``after``: at their own
+    phase of the interval (:func:`store.dispatch.next_slot`), so users dreamed together
+    (a chunk, a whole ``reverie run --all``) are not all due again at one instant."""
+    seconds = interval.total_seconds()
+    return {user_id: next_slot(user_id, after, seconds) for user_id in user_ids}
+
+
+def mark_dreamed_many(session: Session, next_at: Mapping[str, datetime], at: datetime) -> None:
+    """:func:`mark_dreamed` for several users whose dreams started at ``at``, each due
+    next at ``next_at[user]`` (one statement)."""
+    if not next_at:
         return
+    user_ids = sorted(next_at)
     if session.get_bind().dialect.name == "postgresql":
-        # One array parameter, not one per user: nothing to compile per chunk.
-        session.execute(_PG_DREAMED, {"ids": list(user_ids), "at": at, "next_at": next_at})
+        # Array parameters, not one per user: nothing to compile per chunk.
+        session.execute(_PG_DREAMED, {"ids": user_ids, "next_ats": [next_at[u] for u in user_ids], "at": at})
         return
     still_dirty = case((UserState.dirty_since > at, UserState.dirty_since), else_=None)
-    rows = [{"user_id": uid, "last_dream_at": at, "next_dream_at": next_at, "dirty_since": None} for uid in user_ids]
-    set_ = {"last_dream_at": at, "next_dream_at": next_at, "dirty_since": still_dirty}
+    rows = [
+        {"user_id": uid, "last_dream_at": at, "next_dream_at": next_at[uid], "dirty_since": None} for uid in user_ids
+    ]
     lite = sqlite_insert(UserState).values(rows)
+    set_ = {"last_dream_at": at, "next_dream_at": lite.excluded.next_dream_at, "dirty_since": still_dirty}
     session.execute(lite.on_conflict_do_update(index_elements=[UserState.user_id], set_=set_))

@@ -507,7 +507,8 @@ def _finish(
         runs.finish_run(
             session, run_id, status=outcome.status, counts=outcome.counts(), cost_nano=cost_nano, error=outcome.error
         )
-        schedule.mark_dreamed(session, user_id, started, db_now(session) + settings.dream_interval)
+        next_at = schedule.next_dreams([user_id], db_now(session), settings.dream_interval)[user_id]
+        schedule.mark_dreamed(session, user_id, started, next_at)
         if outcome.retry_soon:
             # Work left over (budget, transient errors) is carried to the next pass; a
             # group the model could not summarize waits for the next scheduled dream.
@@ -781,8 +782,8 @@ class _Chunk:
             for outcome in outcomes:
                 if outcome.user_id not in held:
                     _close_lost(session, self.keeper, outcome, costs.get(outcome.run_id or 0, 0))
-            next_at = db_now(session) + self.settings.dream_interval
-            schedule.mark_dreamed_many(session, sorted(held), self.at, next_at)
+            next_at = schedule.next_dreams(sorted(held), db_now(session), self.settings.dream_interval)
+            schedule.mark_dreamed_many(session, next_at, self.at)
             # Work left over (budget, time, transient errors) is carried to the next pass.
             # (A group the model could not summarize waits for the next scheduled dream.)
             left_over = ({o.user_id for o in outcomes if o.retry_soon} | set(self.carried)) & held

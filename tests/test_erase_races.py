@@ -446,7 +446,7 @@ def test_a_restores_profile_rebuild_leaves_a_user_a_dream_holds_to_that_dream(pg
     # The dream may have read the rows before the restore: when it ends, the user stays
     # marked, and is due again after the dirty delay (not at the next slot, a day away).
     with session_scope(pg_settings) as session:
-        schedule.mark_dreamed_many(session, ["u1"], started, started + timedelta(days=1))
+        schedule.mark_dreamed_many(session, {"u1": started + timedelta(days=1)}, started)
         locks.release(session, "u1", "a-dream")
     with session_scope(pg_settings) as session:
         later = db_now(session) + timedelta(seconds=pg_settings.dispatch_dirty_delay_seconds + 1)

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from sqlalchemy import insert, select
 
-from store import runs, schedule
+from store import dispatch, runs, schedule
 from store.db import session_scope
 from store.dispatch import next_slot
 from store.models import Run, UserState
@@ -24,17 +24,40 @@ def test_a_dream_clears_only_the_changes_it_saw_and_schedules_the_next(store_set
                 {"user_id": "changed-meanwhile", "next_dream_at": at, "dirty_since": at + timedelta(seconds=3)},
             ],
         )
-    next_at = at + timedelta(hours=24)
+    next_at = schedule.next_dreams(["seen", "changed-meanwhile", "new"], at, timedelta(hours=24))
     with session_scope(store_settings) as session:
-        schedule.mark_dreamed_many(session, ["seen", "changed-meanwhile", "new"], at, next_at)
+        schedule.mark_dreamed_many(session, next_at, at)
     with session_scope(store_settings) as session:
         states = {s.user_id: s for s in session.scalars(select(UserState))}
         got = {u: (s.last_dream_at, s.next_dream_at, s.dirty_since) for u, s in states.items()}
     assert got == {
-        "seen": (at, next_at, None),
-        "changed-meanwhile": (at, next_at, at + timedelta(seconds=3)),
-        "new": (at, next_at, None),
+        "seen": (at, next_at["seen"], None),
+        "changed-meanwhile": (at, next_at["changed-meanwhile"], at + timedelta(seconds=3)),
+        "new": (at, next_at["new"], None),
     }
+
+
+def test_users_dreamed_together_are_due_again_each_at_their_own_phase(store_settings: Settings) -> None:
+    # A pass over every user (``reverie run --all``, a chunk) must not make them all due
+    # again at one instant a day later: each keeps the phase the dispatcher gives them.
+    from tasks.dream import dream_users
+    from tests.dream_seed import entry, seed
+
+    users = [f"user-{i:02d}" for i in range(40)]
+    seed(store_settings, [entry(user, "home_city", "Lisbon") for user in users])
+    started = now()
+    assert {o.status for o in dream_users(store_settings, users)} == {"succeeded"}
+    with session_scope(store_settings) as session:
+        due = {s.user_id: s.next_dream_at for s in session.scalars(select(UserState))}
+    interval = timedelta(hours=store_settings.dream_interval_hours)
+    seconds = interval.total_seconds()
+    for user in users:
+        # Between half and one and a half intervals away, on the user's own phase.
+        assert started + interval / 2 - timedelta(seconds=5) <= due[user] <= now() + interval * 1.5, user
+        offset = (due[user] - dispatch.EPOCH).total_seconds() % seconds
+        assert abs(offset - dispatch.phase_seconds(user, seconds)) < 0.01, user
+    # Spread over the interval, not bunched: 40 users fall in more than 12 of its 24 hours.
+    assert len({int((d - dispatch.EPOCH).total_seconds() % seconds // 3600) for d in due.values()}) > 12
 
 
 def test_runs_started_together_get_one_running_row_each(store_settings: Settings) -> None:
