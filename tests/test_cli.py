@@ -1201,3 +1201,41 @@ def test_run_names_a_user_it_was_asked_for_and_another_run_holds(pg_settings: Se
     assert (summary["users_processed"], summary["users_skipped"]) == (1, 1)
     assert "busy" not in summary
     assert "reverie: not dreamed, another run holds --user u-held (" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["worker", "-l", "bogus"], 2, "--loglevel 'bogus'"),
+        (["beat", "--loglevel", "loud"], 2, "--loglevel 'loud'"),
+        (["worker", "-Q", ""], 2, "a queue name is empty"),
+        (["worker", "-Q", "signals,,dreams"], 2, "a queue name is empty"),
+    ],
+)
+def test_a_bad_log_level_or_queue_name_is_a_usage_error_of_reverie_not_of_celery(
+    args: list[str], code: int, needle: str, pg_settings: Settings, tmp_path: Path
+) -> None:
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": "redis://127.0.0.1:1/0"}
+    result = run(args, env=env, cwd=tmp_path)
+    assert result.returncode == code
+    assert_one_line_error(result, needle)
+    assert "celery" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [["run"], ["migrate"], ["worker"], ["beat"], ["health"]])
+def test_a_bad_log_level_setting_stops_any_command_naming_the_variable(
+    command: list[str], pg_settings: Settings, tmp_path: Path
+) -> None:
+    """Else `reverie run` ran at INFO without a word, and a worker or beat stopped with
+    Celery's usage text for `-l`, which the operator never typed."""
+    env = {
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_BROKER_URL": "redis://127.0.0.1:1/0",
+        "REVERIE_LOG_LEVEL": "bogus",
+    }
+    result = run(command, env=env, cwd=tmp_path)
+    assert result.returncode == 1
+    assert_one_line_error(result, "REVERIE_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    # Any case, as before: a lower-case level is a level.
+    fine = run(["health"], env={**env, "REVERIE_LOG_LEVEL": "warning"}, cwd=tmp_path)
+    assert fine.returncode == 0, fine.stderr

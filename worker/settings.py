@@ -45,6 +45,10 @@ EDDI_MEMORY_COLUMNS = frozenset(
 )
 
 
+#: What ``REVERIE_LOG_LEVEL`` may be (any case): the levels a worker and beat take too.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 class Settings(BaseSettings):
     """Every knob Reverie has. Per-agent policies override the dream defaults."""
 
@@ -255,6 +259,15 @@ class Settings(BaseSettings):
                 "reverie restore reads the events of what it undoes"
             )
         return days
+
+    @field_validator("log_level")
+    @classmethod
+    def _a_log_level(cls, level: str) -> str:
+        # Celery's levels (a worker and beat are started with this one), in any case.
+        level = level.strip().upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+        return level
 
     @field_validator("broker_url")
     @classmethod

@@ -40,6 +40,14 @@ def _exec(argv: list[str]) -> None:
         fail(f"cannot start celery: {exc.strerror or exc}")
 
 
+def _check_level(loglevel: str | None) -> None:
+    """``--loglevel`` as ``REVERIE_LOG_LEVEL`` may be: a usage error otherwise."""
+    from worker.settings import LOG_LEVELS
+
+    if loglevel is not None and loglevel.strip().upper() not in LOG_LEVELS:
+        fail(f"--loglevel {loglevel!r}: must be one of {', '.join(LOG_LEVELS)}", code=2)
+
+
 @app.command(context_settings=PASS_THROUGH)
 def worker(
     ctx: typer.Context,
@@ -54,9 +62,14 @@ def worker(
     `--` go to Celery: `reverie worker -- --pool solo`."""
     from worker.metrics_server import prepare_multiprocess_dir
 
-    unknown = set(queues.split(",")) - set(ALL_QUEUES.split(","))
+    names = [name.strip() for name in queues.split(",")]
+    unknown = set(names) - set(ALL_QUEUES.split(","))
+    if "" in unknown:
+        fail(f"--queues {queues!r}: a queue name is empty; expected some of {ALL_QUEUES}", code=2)
     if unknown:
         fail(f"unknown queue(s) {', '.join(sorted(unknown))}; expected some of {ALL_QUEUES}", code=2)
+    queues = ",".join(names)
+    _check_level(loglevel)
     # A service waits for its database (it says so as it starts) rather than refuse to start.
     settings = load_settings(database_must_exist=False)
     if not settings.broker_url:
@@ -87,6 +100,7 @@ def beat(
     """Run Celery beat (the same as `celery -A worker.app beat`). Run exactly one."""
     from worker.metrics_textfile import unwritable
 
+    _check_level(loglevel)
     if schedule is not None:
         why = unwritable(Path(schedule))
         if why is not None:
