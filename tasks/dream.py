@@ -336,7 +336,13 @@ def _refresh_profiles(
 
 
 def _build_profiles(
-    settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook, keeper: LeaseKeeper
+    settings: Settings,
+    outcomes: dict[str, RunOutcome],
+    policies: PolicyBook,
+    keeper: LeaseKeeper,
+    *,
+    deadline: float | None = None,
+    interrupts: tuple[type[BaseException], ...] = (),
 ) -> profiles.Composed | None:
     """The profiles of the users whose memory changed, read in one short transaction
     and built outside any (None: profiles are off, nobody changed, or the build failed,
@@ -359,7 +365,9 @@ def _build_profiles(
         if profiles.writes_with_model(policies):
             run_ids = {u: o.run_id for u, o in outcomes.items()}
             writer = ProfileWriter(settings, run_ids, profiles.counter(settings))
-        composed = profiles.compose(settings, read, book=policies, writer=writer)
+        composed = profiles.compose(
+            settings, read, book=policies, writer=writer, interrupts=interrupts, deadline=deadline
+        )
     except (TransientError, DatabaseUnavailable):
         raise
     except Exception as exc:
@@ -377,7 +385,7 @@ def _build_profiles(
         # Each user on their own now: one user's rows (a value no code foresaw) must not
         # keep the others' profiles from being built, pass after pass.
         log.error("dream.profiles_failed", users=len(outcomes), error_type=type(exc).__name__)
-        return _build_one_by_one(settings, outcomes, policies, keeper)
+        return _build_one_by_one(settings, outcomes, policies, keeper, deadline=deadline, interrupts=interrupts)
     metrics.PROFILE_BUILD_DURATION.observe(time.monotonic() - started)
     if composed.deferred:
         # What was built is written; the others are built again at the next pass.
@@ -393,13 +401,19 @@ def _waited_for_a_lock(exc: OperationalError) -> bool:
 
 
 def _build_one_by_one(
-    settings: Settings, outcomes: dict[str, RunOutcome], policies: PolicyBook, keeper: LeaseKeeper
+    settings: Settings,
+    outcomes: dict[str, RunOutcome],
+    policies: PolicyBook,
+    keeper: LeaseKeeper,
+    *,
+    deadline: float | None = None,
+    interrupts: tuple[type[BaseException], ...] = (),
 ) -> profiles.Composed | None:
     """:func:`_build_profiles` for each user alone (after the chunk's build failed)."""
     rows: dict[str, list[dict[str, Any]]] = {}
     only: dict[str, set[str]] = {}
     for user_id, outcome in outcomes.items():
-        mine = _build_profiles(settings, {user_id: outcome}, policies, keeper)
+        mine = _build_profiles(settings, {user_id: outcome}, policies, keeper, deadline=deadline, interrupts=interrupts)
         if mine is not None:
             rows.update(mine.rows)
             only.update(mine.only)
@@ -609,7 +623,8 @@ def dream_users(
             if not chunk.out_of_time:
                 # Out of time (soft limit or time budget): close the runs first; the
                 # profiles of users who changed are rebuilt by the next pass.
-                chunk.refresh_profiles()
+                deadline = None if budget_seconds is None else started + budget_seconds
+                chunk.refresh_profiles(deadline, interrupts)
         finally:
             chunk.finish(time.monotonic() - started)
     # A user left out was busy or had their schedule row locked at that instant: the
@@ -727,11 +742,15 @@ class _Chunk:
                     # at the user's next dream time a day away; a bug is not retried early.
                     self.carried.append(outcome.user_id)
 
-    def refresh_profiles(self) -> None:
+    def refresh_profiles(self, deadline: float | None, interrupts: tuple[type[BaseException], ...]) -> None:
         """Build the profiles of the chunk's users whose memory changed; :meth:`finish`
-        writes them, in the transaction that closes the runs and checks the leases."""
+        writes them, in the transaction that closes the runs and checks the leases. No
+        model call starts after ``deadline`` (monotonic) or once ``interrupts`` fired:
+        the users left are built at the next pass."""
         try:
-            self.composed = _build_profiles(self.settings, self.outcomes, self.policies, self.keeper)
+            self.composed = _build_profiles(
+                self.settings, self.outcomes, self.policies, self.keeper, deadline=deadline, interrupts=interrupts
+            )
         except (TransientError, DatabaseUnavailable) as exc:
             # The runs' own work is committed; the profiles are rebuilt on the next
             # pass, which the users are marked for.

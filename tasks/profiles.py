@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter as Tally
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -371,13 +372,25 @@ def writes_with_model(book: PolicyBook) -> bool:
     return any(p.writes_profiles_with_model for p in (book.default, *book.agents.values()))
 
 
-def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer | None = None) -> Composed:
+def compose(
+    settings: Settings,
+    read: Plan,
+    *,
+    book: PolicyBook,
+    writer: Writer | None = None,
+    interrupts: tuple[type[BaseException], ...] = (),
+    deadline: float | None = None,
+) -> Composed:
     """Build the profiles of the users ``read`` found changed, outside any transaction.
 
     Every agent owning a shown entry gets a profile, and the user gets the agent-less
     one. Where that agent's policy (the defaults', for the agent-less one) has the model
     write it and ``writer`` is given, the writer's profile replaces the deterministic
-    one; the deterministic one stays when the writer returns None."""
+    one; the deterministic one stays when the writer returns None. ``interrupts`` (the
+    task's soft time limit), like the database or the model's service going away, stop
+    the build: what was built is kept, and the users left are :attr:`Composed.deferred`;
+    so does ``deadline`` (``time.monotonic()``: the time for model work is up) before the
+    next user whose profiles the writer may write."""
     count = counter(settings)
     budget = budget_for(settings)
     tokenizer = llm.model_name(settings)
@@ -399,6 +412,9 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
     deferred: list[str] = []
     deferred_by = ""
     for index, (user_id, mine) in enumerate(entries.items()):
+        if writer is not None and deadline is not None and time.monotonic() >= deadline:
+            deferred, deferred_by = list(entries)[index:], "OutOfTime"
+            break
         try:
             out[user_id] = _compose_user(
                 user_id,
@@ -413,7 +429,7 @@ def compose(settings: Settings, read: Plan, *, book: PolicyBook, writer: Writer 
                 whole=whole,
                 tokenizer=tokenizer,
             )
-        except _NOT_ONE_USERS as exc:
+        except _NOT_ONE_USERS + interrupts as exc:
             # Not this user's doing: the rest wait for the next pass, and what was built
             # (model calls paid for) is kept.
             deferred, deferred_by = list(entries)[index:], type(exc).__name__

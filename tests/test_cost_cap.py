@@ -10,7 +10,10 @@ import math
 import multiprocessing
 import os
 import signal
+import threading
+import time
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from typing import Any
 
@@ -257,13 +260,21 @@ def test_the_cron_pass_reaps_and_a_late_settle_counts_nothing_twice(pg_settings:
 
 @pytest.mark.parametrize("fault", UNANSWERED)
 def test_a_call_without_an_answer_is_recorded_as_spent(pg_settings: Settings, fault: str) -> None:
+    from celery.exceptions import SoftTimeLimitExceeded
+
     settings = fault_model.settings_for(pg_settings)
     reservation = llm.reservation_floor_nano(settings, LONG_PROMPT, 40)
     SCRIPT.reset(then=fault)
-    with pytest.raises(TransientError):
+    cost = {"model": settings.llm_model, "purpose": "summarize"}
+    before = REGISTRY.get_sample_value("dream_llm_cost_usd_total", cost) or 0.0
+    # The soft time limit in the call reaches the caller as itself: its task stops.
+    with pytest.raises(SoftTimeLimitExceeded if fault == "interrupted" else TransientError):
         llm.complete(settings, purpose="summarize", messages=LONG_PROMPT, max_tokens=40)
     assert SCRIPT.calls == 1
     assert budget.day_spent_nano(settings) == reservation and _reserved_total(settings) == 0
+    # The cost metric records what the budget records.
+    after = REGISTRY.get_sample_value("dream_llm_cost_usd_total", cost) or 0.0
+    assert after - before == pytest.approx(reservation / NANO)
 
 
 # -- one producer, everyone's budget ------------------------------------------------------
@@ -429,3 +440,54 @@ def test_erasure_removes_the_users_own_budget_lines(pg_settings: Settings) -> No
     with session_scope(pg_settings) as session:
         users = {row.scope_key for row in session.scalars(select(Spend).where(Spend.scope == "user"))}
     assert users == {budget.user_day_key("bob")}
+
+
+class _SlowEndpoint(BaseHTTPRequestHandler):
+    """An OpenAI-compatible endpoint on loopback that takes its time to answer."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(3)
+        self.send_response(503)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+
+def test_the_soft_time_limit_in_an_openai_call_stops_the_caller_and_is_recorded_as_spent(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """litellm's ``openai/`` provider wraps an interruption in the call as a server error
+    (``InternalServerError``), which alone would read as a refusal the provider billed
+    nothing for, and as a transient error the caller goes on after."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    monkeypatch.setenv("OPENAI_API_KEY", "not-needed-on-loopback")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowEndpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    settings = pg_settings.model_copy(
+        update={
+            "llm_model": "openai/slow-model",
+            "llm_api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
+            "llm_input_cost_per_token": 1e-6,
+            "llm_output_cost_per_token": 2e-6,
+            "llm_timeout_seconds": 20,
+        }
+    )
+    reservation = llm.reservation_floor_nano(settings, LONG_PROMPT, 40)
+
+    def soft_limit(*_: Any) -> None:
+        raise SoftTimeLimitExceeded()
+
+    previous = signal.signal(signal.SIGALRM, soft_limit)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(SoftTimeLimitExceeded):
+            llm.complete(settings, purpose="summarize", messages=LONG_PROMPT, max_tokens=40)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        server.shutdown()
+        server.server_close()
+    assert budget.day_spent_nano(settings) == reservation and _reserved_total(settings) == 0

@@ -521,6 +521,81 @@ def test_one_users_failed_build_costs_the_others_no_second_model_call(
     assert set(_stored(settings, "u2")) == set()
 
 
+def _dirty(settings: Settings, users: list[str]) -> set[str]:
+    from store.models import UserState
+
+    with session_scope(settings) as session:
+        marked = select(UserState.user_id).where(UserState.user_id.in_(users), UserState.dirty_since.is_not(None))
+        return set(session.scalars(marked))
+
+
+def test_no_profile_call_starts_once_the_chunks_time_for_model_work_is_up(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The model writes every profile, and each call takes the chunk past its time budget
+    # (a clock moved on by each call): the user whose call was made is written, the
+    # others wait for the next pass with their old profiles, and no call is made twice.
+    import time as real_time
+
+    from tasks.profile_writer import ProfileWriter
+
+    settings = scripted_settings(pg_settings)
+    seed(settings, [row for user in ("u1", "u2", "u3") for row in _about(user)])
+    SCRIPTED_REPLY["text"] = json.dumps({"unchanged": True})
+    shift = [0.0]
+    monkeypatch.setattr(profiles, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
+    write = ProfileWriter.__call__
+
+    def slow(self: ProfileWriter, *args: Any, **kwargs: Any) -> Any:
+        shift[0] += 3600.0
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(ProfileWriter, "__call__", slow)
+    outcomes = dream_users(settings, ["u1", "u2", "u3"], budget_seconds=600)
+    assert [(o.user_id, o.status, o.profiles_built) for o in outcomes] == [
+        ("u1", "succeeded", 1),
+        ("u2", "succeeded", 0),
+        ("u3", "succeeded", 0),
+    ]
+    assert _spent(settings, "u1") > 0 and _spent(settings, "u2") == _spent(settings, "u3") == 0
+    assert _stored(settings, "u1")[""].layout["writer"] == "model"
+    assert not _stored(settings, "u2") and not _stored(settings, "u3")
+    # Left to the next pass, which writes them, and asks nothing again for u1.
+    assert _dirty(settings, ["u1", "u2", "u3"]) == {"u2", "u3"}
+    first = _spent(settings, "u1")
+    dream_users(settings, ["u1", "u2", "u3"])
+    assert _spent(settings, "u1") == first and _spent(settings, "u2") == _spent(settings, "u3") == first
+    assert {_stored(settings, u)[""].layout["writer"] for u in ("u2", "u3")} == {"model"}
+
+
+def test_the_soft_time_limit_in_a_profile_call_stops_the_chunks_model_work(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The soft time limit fires in u2's call: u1's written profile is kept, u3's call is
+    # never made, and both wait for the next pass (not u3 built after the limit, as if the
+    # interruption were one user's failure).
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from tasks.profile_writer import ProfileWriter
+
+    settings = scripted_settings(pg_settings)
+    seed(settings, [row for user in ("u1", "u2", "u3") for row in _about(user)])
+    SCRIPTED_REPLY["text"] = json.dumps({"unchanged": True})
+    write = ProfileWriter.__call__
+
+    def limited(self: ProfileWriter, user_id: str, *args: Any, **kwargs: Any) -> Any:
+        if user_id == "u2":
+            raise SoftTimeLimitExceeded()
+        return write(self, user_id, *args, **kwargs)
+
+    monkeypatch.setattr(ProfileWriter, "__call__", limited)
+    outcomes = dream_users(settings, ["u1", "u2", "u3"], interrupts=(SoftTimeLimitExceeded,))
+    assert [(o.user_id, o.profiles_built) for o in outcomes] == [("u1", 1), ("u2", 0), ("u3", 0)]
+    assert _spent(settings, "u1") > 0 and _spent(settings, "u3") == 0
+    assert _stored(settings, "u1")[""].layout["writer"] == "model" and not _stored(settings, "u3")
+    assert _dirty(settings, ["u1", "u2", "u3"]) == {"u2", "u3"}
+
+
 def test_a_line_two_entries_show_may_be_written_twice_and_no_more(pg_settings: Settings) -> None:
     # Two entries of one line (the same key and value, owned otherwise): the profile shows
     # it twice, and the model keeping that profile is not refused for it (a refusal on

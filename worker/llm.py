@@ -52,7 +52,7 @@ from typing import Any
 
 from store.types import NANO
 from worker import budget, metrics, token_margin
-from worker.errors import ContextWindowExceeded, PermanentError, TransientError
+from worker.errors import ContextWindowExceeded, PermanentError, ReverieError, TransientError
 from worker.logs import get_logger
 from worker.settings import Settings
 
@@ -467,6 +467,27 @@ def _refused_by_provider(litellm: Any, exc: BaseException) -> bool:
     return isinstance(exc, answered)
 
 
+def _interrupt_in(exc: BaseException) -> BaseException | None:
+    """The soft time limit's interruption (Celery's ``SoftTimeLimitExceeded``) behind
+    ``exc``, wherever litellm's wrapping put it in the chain; None if it holds none."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, SoftTimeLimitExceeded):
+            found: BaseException = current
+            return found
+        for linked in (current.__cause__, current.__context__, getattr(current, "original_exception", None)):
+            if isinstance(linked, BaseException):
+                pending.append(linked)
+    return None
+
+
 def classify(exc: BaseException) -> type[TransientError] | type[PermanentError] | None:
     """Which of our errors a litellm/provider exception is (None: not a provider error)."""
     litellm = _load()
@@ -547,26 +568,12 @@ def complete(
             **_call_options(settings, response_schema, purpose),
         )
     except Exception as exc:
-        kind = classify(exc)
-        # A request that got no answer (timed out, cut off, interrupted) may have been
-        # billed: keep its reservation as spent.
-        billed = 0 if _refused_by_provider(litellm, exc) else reservation.amount_nano
-        budget.settle(settings, reservation, billed)
-        outcome = "transient" if kind is TransientError else "permanent" if kind is PermanentError else "error"
-        metrics.LLM_REQUESTS.labels(model=label, outcome=outcome).inc()
-        log.warning(
-            "llm_call_failed",
-            purpose=purpose,
-            model=label,
-            error=type(exc).__name__,
-            outcome=outcome,
-            recorded_nano=min(billed, reservation.amount_nano),
-        )
-        if isinstance(exc, litellm.exceptions.ContextWindowExceededError):
-            raise ContextWindowExceeded(f"{type(exc).__name__}: {_first_line(exc)}") from exc
-        if kind is None:
+        failure = _failed_call(litellm, settings, exc, reservation, purpose=purpose, label=label)
+        if failure is exc:
             raise
-        raise kind(f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        if isinstance(failure, ReverieError):
+            raise failure from exc
+        raise failure from None  # the interruption litellm wrapped, itself: its chain is litellm's wrapping
 
     text = _reply_text(response)
     usage = getattr(response, "usage", None)
@@ -604,6 +611,40 @@ def complete(
         raise MalformedReply(problem)
     metrics.LLM_REQUESTS.labels(model=label, outcome="ok").inc()
     return LlmReply(text=text, input_tokens=input_tokens, output_tokens=output_tokens, cost_usd=cost, model=label)
+
+
+def _failed_call(
+    litellm: Any, settings: Settings, exc: Exception, reservation: budget.Reservation, *, purpose: str, label: str
+) -> BaseException:
+    """Settle, count and log a call that raised; returns what :func:`complete` raises."""
+    kind = classify(exc)
+    interrupt = _interrupt_in(exc)
+    # A request that got no answer (timed out, cut off, interrupted) may have been
+    # billed: keep its reservation as spent. (litellm wraps an interruption in the call,
+    # the task's soft time limit, in an error of its own, even a 5xx one.)
+    refused = interrupt is None and _refused_by_provider(litellm, exc)
+    recorded_nano = budget.settle(settings, reservation, 0 if refused else reservation.amount_nano)
+    if recorded_nano:
+        # What the budgets record, the metric records: a call that may have been billed.
+        metrics.LLM_COST.labels(model=label, purpose=purpose).inc(recorded_nano / NANO)
+    outcome = "transient" if kind is TransientError else "permanent" if kind is PermanentError else "error"
+    metrics.LLM_REQUESTS.labels(model=label, outcome=outcome).inc()
+    log.warning(
+        "llm_call_failed",
+        purpose=purpose,
+        model=label,
+        error=type(exc).__name__,
+        outcome=outcome,
+        recorded_nano=recorded_nano,
+    )
+    if interrupt is not None:
+        # The task's time is up: its caller stops, as when the limit fires outside a call.
+        return interrupt
+    if isinstance(exc, litellm.exceptions.ContextWindowExceededError):
+        return ContextWindowExceeded(f"{type(exc).__name__}: {_first_line(exc)}")
+    if kind is None:
+        return exc
+    return kind(f"{type(exc).__name__}: {_first_line(exc)}")
 
 
 def _call_options(settings: Settings, response_schema: dict[str, Any] | None, purpose: str) -> dict[str, Any]:
