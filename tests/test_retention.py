@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 
 from schedules.beat import beat_schedule
@@ -110,6 +111,24 @@ def test_rows_past_their_retention_are_purged_and_newer_ones_kept(pg_settings: S
     assert (report.archive, report.events, report.runs, report.spend, report.signal_payloads) == (1, 1, 1, 2, 2)
     # Nothing left to do: a second purge touches nothing.
     assert purge_expired(pg_settings).total == 0
+
+
+def test_a_host_clock_ahead_of_the_databases_purges_nothing_early(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rows were stamped on the database's clock; a host 40 days ahead (a cron
+    host's clock gone wrong) must not empty the restore window."""
+    import store.types
+    import tasks.retention
+
+    seeded = seed(pg_settings)
+    ahead = now() + timedelta(days=40)
+    monkeypatch.setattr(store.types, "now", lambda: ahead)
+    monkeypatch.setattr(tasks.retention, "now", lambda: ahead, raising=False)
+    purge_expired(pg_settings)
+    after = state(pg_settings)
+    assert after["archive"] == ["e1"] and after["events"] == ["e1"]
+    assert seeded["runs"][1] in after["runs"]
 
 
 def test_purge_works_in_batches_until_nothing_is_left(make_settings: Any) -> None:
