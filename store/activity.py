@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, exists, select, text
+from sqlalchemy import delete, exists, select
 from sqlalchemy.orm import Session
 
+from store import locks
 from store.bulk import insert_rows
 from store.models import ActivityEvent
 
@@ -31,22 +32,11 @@ def events_since(session: Session, since: datetime) -> Iterator[tuple[str, str, 
         yield row.user_id, row.agent_id, row.action, row.at, row.id
 
 
-# Routine detection and erasure meet on a per-user advisory lock instead of a lock on
-# the whole table, which made every producer's insert wait behind one erasure. Users
-# share a bucket of the lock space so that a detection over all users holds a bounded
-# number of locks (PostgreSQL's lock table is small), at the price of an erasure now
-# and then waiting for a detection that holds the bucket of another user.
-_LOCK_SPACE = 1_380_275_781  # the first key of every such lock: Reverie's own namespace
-_BUCKETS = 1024
-_PG_ERASING = text("SELECT pg_advisory_xact_lock(:space, hashtext(:user_id) & :mask)")
-_PG_DETECTING = text("SELECT pg_advisory_xact_lock_shared(:space, hashtext(:user_id) & :mask)")
-
-
 def lock_for_erasure(session: Session, user_id: str) -> None:
     """Hold off, until the caller's transaction ends, routine detection's writes for
-    ``user_id``; waits for a detection that is writing them (PostgreSQL)."""
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(_PG_ERASING, {"space": _LOCK_SPACE, "user_id": user_id, "mask": _BUCKETS - 1})
+    ``user_id`` (and a restore's: :func:`store.locks.hold_off_erasure`); waits for a
+    detection that is writing them (PostgreSQL)."""
+    locks.erasure_lock(session, user_id, shared=False)
 
 
 def hold_for_routines(session: Session, user_id: str, event_id: int) -> bool:
@@ -57,7 +47,7 @@ def hold_for_routines(session: Session, user_id: str, event_id: int) -> bool:
     other writer."""
     if session.get_bind().dialect.name != "postgresql":
         return True
-    session.execute(_PG_DETECTING, {"space": _LOCK_SPACE, "user_id": user_id, "mask": _BUCKETS - 1})
+    locks.erasure_lock(session, user_id, shared=True)
     return bool(session.scalar(select(exists().where(ActivityEvent.id == event_id))))
 
 

@@ -38,13 +38,14 @@ from sqlalchemy import (
     select,
     text,
     tuple_,
+    union,
     update,
 )
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 from sqlalchemy.types import NullType
 
-from store import entry_state
+from store import entry_state, locks
 from store.db import hold_writes
 from store.memories import (
     OVERWRITTEN_COLUMNS,
@@ -117,6 +118,16 @@ def _restore(
     run_id: int | None = None,
     signal_id: int | None = None,
 ) -> Restored:
+    # An erasure of the users under way is waited for (what it deleted is then seen
+    # gone), and one that comes later waits for this to commit, then deletes what it
+    # put back: the two never interleave, so a restore never brings an erased user back.
+    users = session.scalars(
+        union(
+            select(ArchivedEntry.user_id).where(archived_of),
+            select(Event.user_id).where(events_of),
+        )
+    ).all()
+    locks.hold_off_erasure(session, list(users))
     # SQLite: no other writer from the first look to the last write (PostgreSQL locks
     # the rows it looks at), so an application edit never lands between the two.
     hold_writes(session)

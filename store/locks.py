@@ -193,3 +193,31 @@ def release_many(session: Session, user_ids: Sequence[str], token: str) -> None:
             .where(UserState.user_id.in_(sorted(user_ids)), UserState.lock_token == token)
             .values(locked_until=None, lock_token=None)
         )
+
+
+# Erasure and the writers that act on rows they read earlier (routine detection, a
+# restore) meet on a per-user advisory lock instead of a lock on a whole table, which
+# made every producer's insert wait behind one erasure. Users share a bucket of the lock
+# space so that a detection over all users holds a bounded number of locks (PostgreSQL's
+# lock table is small), at the price of an erasure now and then waiting for a writer
+# that holds the bucket of another user.
+_LOCK_SPACE = 1_380_275_781  # the first key of every such lock: Reverie's own namespace
+_BUCKETS = 1024
+_PG_ERASING = text("SELECT pg_advisory_xact_lock(:space, hashtext(:user_id) & :mask)")
+_PG_WRITING = text("SELECT pg_advisory_xact_lock_shared(:space, hashtext(:user_id) & :mask)")
+
+
+def erasure_lock(session: Session, user_id: str, *, shared: bool) -> None:
+    """Until the caller's transaction ends: an erasure's hold on ``user_id`` (exclusive),
+    or a writer's that must not interleave with one (``shared``); PostgreSQL only (on
+    SQLite a writing transaction already excludes every other)."""
+    if session.get_bind().dialect.name == "postgresql":
+        statement = _PG_WRITING if shared else _PG_ERASING
+        session.execute(statement, {"space": _LOCK_SPACE, "user_id": user_id, "mask": _BUCKETS - 1})
+
+
+def hold_off_erasure(session: Session, user_ids: Sequence[str]) -> None:
+    """Keep an erasure of any of ``user_ids`` from starting until the caller's transaction
+    ends, waiting for one under way (its deletions are then committed and seen)."""
+    for user_id in sorted(set(user_ids)):
+        erasure_lock(session, user_id, shared=True)

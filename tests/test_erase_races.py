@@ -432,6 +432,43 @@ def test_an_erasure_during_a_restores_profile_rebuild_leaves_no_profile(
         assert not {table: n for table, n in rows_about(session, pg_settings, "u1").items() if n}
 
 
+def test_an_erasure_while_a_restore_writes_erases_what_the_restore_put_back(pg_settings: Settings) -> None:
+    # A restore has put a pruned entry back and not yet committed when an erasure of the
+    # user starts: the erasure waits for it, then deletes what it put back. (It once
+    # deleted around the rows it could not see, and the restore brought the user back.)
+    from store.archive import restore_run
+    from tests.dream_seed import entry, seed
+
+    seed(
+        pg_settings,
+        [entry("e2", "old_hobby", "chess", age_days=200), entry("e2", "home_city", "Lisbon", age_days=1)],
+    )
+    outcome = dream_user(pg_settings, "e2")
+    assert outcome.entries_pruned == 1 and outcome.run_id is not None
+    restored, commit = threading.Event(), threading.Event()
+
+    def restore() -> None:
+        with session_scope(pg_settings) as session:
+            assert restore_run(session, table_for(pg_settings), outcome.run_id).restored
+            restored.set()
+            commit.wait(WAIT)
+
+    restorer = threading.Thread(target=restore)
+    restorer.start()
+    assert restored.wait(WAIT)
+    result: dict[str, Any] = {}
+    eraser = threading.Thread(target=lambda: result.update(erase_user(pg_settings, "e2", wait_seconds=WAIT)))
+    eraser.start()
+    time.sleep(2)  # the erasure is under way, and waits (or, as it once did, deletes around the restore)
+    commit.set()
+    restorer.join(WAIT)
+    eraser.join(WAIT)
+    assert not restorer.is_alive() and not eraser.is_alive()
+    assert result["usermemories"] == 2
+    with session_scope(pg_settings) as session:
+        assert not {table: n for table, n in rows_about(session, pg_settings, "e2").items() if n}
+
+
 def test_a_restores_profile_rebuild_leaves_a_user_a_dream_holds_to_that_dream(pg_settings: Settings) -> None:
     from store import locks, schedule
     from store.types import db_now
