@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, or_, select, text, union, update
+from sqlalchemy import and_, case, or_, select, text, union, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -38,7 +38,8 @@ def _upsert(
 
 
 def mark_dirty(session: Session, settings: Settings, user_id: str, at: datetime | None = None) -> None:
-    """Note that ``user_id`` changed; keeps the earliest ``dirty_since`` already set."""
+    """Note that ``user_id`` changed; keeps the earliest ``dirty_since`` already set
+    unless a run holds the user (:func:`mark_dirty_many`)."""
     mark_dirty_many(session, settings, [user_id], at)
 
 
@@ -63,7 +64,13 @@ def mark_dirty_many(session: Session, settings: Settings, user_ids: Sequence[str
             for user_id in users
         ],
         {"dirty_since": when},
-        where=UserState.dirty_since.is_(None),
+        # The earliest change stays the mark (the dirty delay counts from it), except
+        # while a run holds the user: that run may have read the rows before this change,
+        # and its end keeps only a mark later than its start (:func:`mark_dreamed`).
+        where=or_(
+            UserState.dirty_since.is_(None),
+            and_(UserState.locked_until.is_not(None), UserState.locked_until > when, UserState.dirty_since < when),
+        ),
     )
 
 

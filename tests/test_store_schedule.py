@@ -107,3 +107,28 @@ def test_a_user_is_known_by_entries_or_a_schedule_row(store_settings: Settings) 
             session, store_settings, ["with-rows", "pruned-empty", "nobody", "with-rows", "Nobody"]
         )
     assert known == {"with-rows", "pruned-empty"}
+
+
+def test_a_change_while_a_run_holds_the_user_outlives_that_runs_end(store_settings: Settings) -> None:
+    # Changed at T0 (not dreamed yet), a run starts at T1 and reads the rows; a signal
+    # changes the user at T2, before the run ends. The run's end must leave the user
+    # changed, or the T2 change waits for the next scheduled dream, a day away.
+    from store import locks
+
+    t0 = now().replace(microsecond=0) - timedelta(minutes=10)
+    t1, t2 = t0 + timedelta(minutes=5), t0 + timedelta(minutes=6)
+    with session_scope(store_settings) as session:
+        schedule.mark_dirty_many(session, store_settings, ["held", "free"], at=t0)
+    with session_scope(store_settings) as session:
+        assert locks.acquire(session, "held", "a-run", timedelta(minutes=30))
+    with session_scope(store_settings) as session:
+        schedule.mark_dirty_many(session, store_settings, ["held", "free"], at=t2)
+    with session_scope(store_settings) as session:
+        states = {s.user_id: s.dirty_since for s in session.scalars(select(UserState))}
+    # No run holds "free": the delay still counts from its first change.
+    assert states == {"held": t2, "free": t0}
+    with session_scope(store_settings) as session:
+        schedule.mark_dreamed_many(session, schedule.next_dreams(["held"], t2, timedelta(hours=24)), t1)
+        locks.release(session, "held", "a-run")
+    with session_scope(store_settings) as session:
+        assert session.scalar(select(UserState.dirty_since).where(UserState.user_id == "held")) == t2
