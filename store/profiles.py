@@ -671,13 +671,28 @@ def replace_agent_profiles(session: Session, pairs: Collection[tuple[str, str]],
     return insert_rows(session, Profile, list(rows))
 
 
-def texts(session: Session, user_ids: Collection[str]) -> dict[tuple[str, str], str]:
-    """The stored text of every profile of ``user_ids``, keyed by (user, agent)."""
+class Current(NamedTuple):
+    """A stored profile as the model writer is shown it: its text, and the lines the
+    model was offered when it wrote it (None: the model did not write it, or it was
+    written before they were kept)."""
+
+    text: str
+    offered: tuple[str, ...] | None = None
+
+
+def texts(session: Session, user_ids: Collection[str]) -> dict[tuple[str, str], Current]:
+    """The stored text of every profile of ``user_ids`` (and, for those the model wrote,
+    the lines it was offered), keyed by (user, agent)."""
     users = sorted(set(user_ids))
     if not users:
         return {}
-    stmt = select(Profile.user_id, Profile.agent_id, Profile.text).where(Profile.user_id.in_(users))
-    return {(row.user_id, row.agent_id): row.text for row in session.execute(stmt)}
+    stmt = select(Profile.user_id, Profile.agent_id, Profile.text, Profile.layout).where(Profile.user_id.in_(users))
+    return {(row.user_id, row.agent_id): Current(row.text, _offered(row.layout)) for row in session.execute(stmt)}
+
+
+def _offered(layout: Any) -> tuple[str, ...] | None:
+    offered = layout.get("offered") if isinstance(layout, dict) else None
+    return tuple(str(line) for line in offered) if isinstance(offered, list) else None
 
 
 _READ_COLUMNS = "user_id, agent_id, text, tokens, budget, entries_included, entries_left_out, built_at"

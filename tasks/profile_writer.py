@@ -14,8 +14,10 @@ may see; a heading is not one of the fixed sections or comes out of their order;
 line is repeated or is anything else; or the profile, counted with the configured
 model's tokenizer, is over the budget. ``unchanged`` keeps the current text on the
 same terms (a line whose entry changed or went away refuses it). A call the budget
-cannot pay for is not made. A smaller budget on the reader's side keeps the start of
-a model-written profile (its lines are ranked as the model wrote them).
+cannot pay for is not made, and none where the model would be offered exactly the
+lines it wrote the current profile from (kept in its layout as ``offered``): that
+profile is kept. A smaller budget on the reader's side keeps the start of a
+model-written profile (its lines are ranked as the model wrote them).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from store.profiles import Current
 from tasks.profiles import Built
 from worker import metrics
 from worker import profile_text as fmt
@@ -151,15 +154,22 @@ class ProfileWriter:
         self.settings, self.run_ids, self.count = settings, run_ids, count
 
     def __call__(
-        self, user_id: str, agent: str, built: Built, allowed: Mapping[str, int], current: str | None
+        self, user_id: str, agent: str, built: Built, allowed: Mapping[str, int], current: Current | None
     ) -> Built | None:
         from worker import llm
 
         if not allowed:
             return None  # nothing to write about: the empty profile
-        current_text = current if current is not None else built.text
+        offered = tuple(line.text for line in built.layout.lines)
+        kept = self._unchanged(current, built, allowed, offered)
+        if kept is not None:
+            return kept  # what the model wrote from these very lines still holds: no call
+        current_text = current.text if current is not None else built.text
         shown = [line + "\n" for line in current_text.splitlines()]
-        changed = {line.text for line in built.layout.lines if line.text not in set(shown)}
+        # New or changed since the model last wrote: a line it was not offered then (where
+        # that is kept), else one the current profile does not show.
+        before = set(current.offered) if current is not None and current.offered is not None else set(shown)
+        changed = {text for text in offered if text not in before}
         removed = [line for line in shown if line.startswith("- ") and line not in allowed]
         left_out = built.layout.total - len(built.layout.lines)
         messages = build_messages(
@@ -191,14 +201,28 @@ class ProfileWriter:
             self._keep(user_id, "unusable", str(exc))
             return None
         try:
-            written = self._check(current_text if text is None else text, built, allowed)
+            written = self._check(current_text if text is None else text, built, allowed, offered)
         except Refused as exc:
             self._keep(user_id, "refused", str(exc))
             return None
         metrics.PROFILE_MODEL_REPLIES.labels(verdict="unchanged" if text is None else "rewritten").inc()
         return written
 
-    def _check(self, text: str, built: Built, allowed: Mapping[str, int]) -> Built:
+    def _unchanged(
+        self, current: Current | None, built: Built, allowed: Mapping[str, int], offered: tuple[str, ...]
+    ) -> Built | None:
+        """The current model-written profile, kept without a call, where the model would
+        be offered exactly the lines it wrote it from (the user's change was elsewhere:
+        another agent's entry, a recall that moved no line in or out of the budget) and
+        it still passes every check; else None."""
+        if current is None or current.offered is None or Counter(current.offered) != Counter(offered):
+            return None
+        try:
+            return self._check(current.text, built, allowed, offered)
+        except Refused:
+            return None
+
+    def _check(self, text: str, built: Built, allowed: Mapping[str, int], offered: tuple[str, ...]) -> Built:
         lines = lines_of(text, allowed, self.count)
         total = sum(allowed.values())
         assembled = fmt.assemble(lines, total - len(lines))
@@ -206,7 +230,7 @@ class ProfileWriter:
         if tokens > built.budget:
             raise Refused(f"{tokens} tokens, over the budget of {built.budget}")
         layout = Layout(lines, built.layout.header_tokens, built.layout.left_out_tokens, total)
-        return Built(assembled, tokens, built.budget, len(lines), total - len(lines), layout)
+        return Built(assembled, tokens, built.budget, len(lines), total - len(lines), layout, offered)
 
     def _keep(self, user_id: str, verdict: str, reason: str) -> None:
         metrics.PROFILE_MODEL_REPLIES.labels(verdict=verdict).inc()

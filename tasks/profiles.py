@@ -64,6 +64,9 @@ class Built:
     included: int
     left_out: int
     layout: Layout
+    #: The lines the model was offered when it wrote this profile (kept with it, so the
+    #: next pass knows what changed since): None for a profile the model did not write.
+    offered: tuple[str, ...] | None = None
 
 
 def _touched(row: Any) -> datetime:
@@ -261,7 +264,7 @@ class Plan:
     users: list[str]
     rows: dict[str, list[Any]]
     prints: dict[str, Fingerprint] = field(default_factory=dict)
-    current: dict[tuple[str, str], str] = field(default_factory=dict)
+    current: dict[tuple[str, str], profile_store.Current] = field(default_factory=dict)
     ranked: bool = False
     #: Users read only because the model wrote profiles their agents' policies no longer
     #: have it write (their memory and the settings unchanged): only those agents'
@@ -300,7 +303,12 @@ class Writer(Protocol):
     """Writes one profile with the model, or returns None to keep the deterministic one."""
 
     def __call__(
-        self, user_id: str, agent: str, built: Built, allowed: Mapping[str, int], current: str | None
+        self,
+        user_id: str,
+        agent: str,
+        built: Built,
+        allowed: Mapping[str, int],
+        current: profile_store.Current | None,
     ) -> Built | None: ...
 
 
@@ -748,7 +756,13 @@ def _row(
     print_: Fingerprint,
     writer: str = "deterministic",
 ) -> dict[str, Any]:
-    layout = built.layout if isinstance(built, Fitted) else {**built.layout.to_json(), "writer": writer}
+    layout: JsonText | dict[str, Any]
+    if isinstance(built, Fitted):
+        layout = built.layout
+    else:
+        layout = {**built.layout.to_json(), "writer": writer}
+        if built.offered is not None:
+            layout["offered"] = list(built.offered)
     return {
         "user_id": user_id,
         "agent_id": agent,

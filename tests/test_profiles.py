@@ -657,6 +657,42 @@ def test_a_rewrite_over_the_budget_or_rewording_a_value_is_refused(pg_settings: 
     assert _stored(drifting, "u2")[""].text == _deterministic(drifting, "u2")[""]
 
 
+def test_a_change_only_one_agents_profile_shows_costs_one_model_call(pg_settings: Settings) -> None:
+    # The model writes every profile. A change to the travel agent's own entry is a
+    # change of the user's memory, so all three profiles are looked at; but only the
+    # travel agent's offers the model other lines than it wrote from: one call, not three.
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(
+        settings,
+        [
+            entry("u1", "home_city", "Lisbon", visibility="global", agent=None),
+            entry("u1", "job_title", "Engineer", visibility="self", agent="writer"),
+            entry("u1", "trip_destination", "Rome", visibility="self", agent="travel"),
+        ],
+    )
+
+    def calls() -> float:
+        return _sample("dream_llm_requests_total", model="offline", outcome="ok")
+
+    before = calls()
+    dream_users(settings, ["u1"])
+    assert calls() == before + 3
+    written = {agent: row.text for agent, row in _stored(settings, "u1").items()}
+    assert {row.layout["writer"] for row in _stored(settings, "u1").values()} == {"model"}
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        session.execute(
+            update(table).where(table.c.user_id == "u1", table.c.key == "trip_destination").values(value="Paris")
+        )
+    before = calls()
+    assert dream_users(settings, ["u1"])[0].profiles_built == 3
+    assert calls() == before + 1
+    after = {agent: row.text for agent, row in _stored(settings, "u1").items()}
+    assert after[""] == written[""] and after["writer"] == written["writer"]
+    assert "Paris" in after["travel"]
+    assert {row.layout["writer"] for row in _stored(settings, "u1").values()} == {"model"}
+
+
 def test_unchanged_keeps_the_text_and_the_cost_is_recorded_under_purpose_profile(pg_settings: Settings) -> None:
     settings = pg_settings.model_copy(update={"profile_writer": "model"})
     seed(settings, _about("u1"))
@@ -683,9 +719,13 @@ def test_unchanged_keeps_the_text_and_the_cost_is_recorded_under_purpose_profile
         session.execute(
             update(table).where(table.c.user_id == "u1", table.c.key == "first_name").values(access_count=3)
         )
-    unchanged = _sample("dream_profile_model_replies_total", verdict="unchanged")
+    replies = _sample("dream_profile_model_replies_total", verdict="unchanged")
+    spent = _spent(settings, "u1")
     assert dream_users(settings, ["u1"])[0].profiles_built == 1
-    assert _sample("dream_profile_model_replies_total", verdict="unchanged") == unchanged + 1
+    # The model would be offered the very lines it wrote this profile from: no call, none
+    # paid for, and its profile kept.
+    assert _sample("dream_profile_model_replies_total", verdict="unchanged") == replies
+    assert _spent(settings, "u1") == spent
     kept = _stored(settings, "u1")[""]
     assert kept.text == model_text and kept.layout["writer"] == "model"
     assert model_text != _deterministic(settings, "u1")[""]
