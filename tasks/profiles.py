@@ -642,12 +642,18 @@ def refresh(
 
 
 def rebuild(session: Session, settings: Settings, user_ids: Collection[str], *, book: PolicyBook) -> Composed:
-    """:func:`refresh`, returning what was built and who was not (:attr:`Composed.unbuilt`)."""
+    """:func:`refresh`, returning what was built and who was not (:attr:`Composed.unbuilt`).
+
+    No model call is made here: where a policy has the model write profiles, those users'
+    profiles are built deterministically now and marked, so the model writes them at
+    the user's next dream (their memory changed: a restore)."""
     read = plan(session, settings, user_ids, book=book)
     if not read.users:
         return Composed({})
     composed = compose(settings, read, book=book)
     save(session, composed, read.users)
+    if writes_with_model(book):
+        profile_store.mark_for_rebuild(session, composed.users)
     return composed
 
 

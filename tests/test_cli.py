@@ -589,6 +589,43 @@ def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_setting
         assert state is None or state.dirty_since is None
 
 
+def test_a_restore_leaves_model_written_profiles_to_the_model_at_the_next_dream(pg_settings: Settings) -> None:
+    # The restore rebuilds at once, with no model call (deterministic); the model writes
+    # those profiles again at the user's next dream, not only after the next change.
+    from sqlalchemy import select
+
+    from store.db import session_scope
+    from store.models import Profile
+    from tasks.dream import dream_users
+    from tests.dream_seed import entry, seed
+
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(
+        settings,
+        [
+            entry("u-m", "old_hobby", "chess", visibility="global", agent=None, age_days=300),
+            entry("u-m", "home_city", "Lisbon", visibility="global", agent=None),
+        ],
+    )
+    [outcome] = dream_users(settings, ["u-m"])
+    assert outcome.entries_pruned == 1 and outcome.run_id is not None
+
+    def stored() -> tuple[str, str]:
+        with session_scope(settings) as session:
+            row = session.scalars(select(Profile).where(Profile.user_id == "u-m", Profile.agent_id == "")).one()
+            return row.text, row.layout["writer"]
+
+    assert stored()[1] == "model"
+    env = {"REVERIE_DATABASE_URL": settings.database_url, "REVERIE_PROFILE_WRITER": "model"}
+    result = run(["restore", "--run", str(outcome.run_id)], env=env)
+    assert result.returncode == 0, result.stderr
+    assert stored() == (stored()[0], "deterministic") and "- old hobby: chess" in stored()[0]
+    [again] = dream_users(settings, ["u-m"])
+    assert again.profiles_built == 1
+    text, writer = stored()
+    assert writer == "model" and "- old hobby: chess" in text
+
+
 def test_a_postgresql_older_than_served_stops_run_and_health_in_one_line(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
