@@ -1218,6 +1218,16 @@ def test_a_misspelled_setting_is_named_at_the_start_of_a_pass(pg_settings: Setti
     assert "unknown_settings" not in quiet.stderr
 
 
+def test_a_misspelled_setting_in_the_settings_file_is_named_too(pg_settings: Settings, tmp_path: Path) -> None:
+    # Settings come from the environment or a .env file: a misspelling in either is named.
+    (tmp_path / ".env").write_text("REVERIE_MAX_COST_PER_DAYS=1\nREVERIE_LOG_FORMAT=json\n", encoding="utf-8")
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
+    result = run(["run", "--json"], env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    warned = [json.loads(line) for line in result.stderr.splitlines() if '"unknown_settings"' in line]
+    assert [w["names"] for w in warned] == [["REVERIE_MAX_COST_PER_DAYS"]], result.stderr
+
+
 def test_run_names_a_user_it_was_asked_for_and_another_run_holds(pg_settings: Settings) -> None:
     # A worker's run (or another pass) holds u-held: `run --user` did not dream them, so
     # it says so and does not exit 0; the user it could dream is dreamed.

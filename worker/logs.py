@@ -48,10 +48,13 @@ def warn_of_unknown_settings(*, process: str, environ: Mapping[str, str] | None 
     """Warn (once per process) of the ``REVERIE_*`` environment variables no setting reads:
     a misspelled cap (``REVERIE_MAX_COST_PER_DAYY``) leaves the cap at its default.
     Returns the names (never their values: one may hold a secret)."""
-    from worker.settings import unknown_settings
+    from worker.settings import settings_file_names, unknown_settings
 
     key = f"unknown:{process}"
-    names = unknown_settings(os.environ if environ is None else environ)
+    if environ is None:
+        # The environment and the settings file (``.env``) alike: both set settings.
+        environ = {**dict.fromkeys(settings_file_names(), ""), **os.environ}
+    names = unknown_settings(environ)
     if not names or key in _warned:
         return names
     _warned.add(key)

@@ -353,6 +353,17 @@ def unknown_settings(environ: Mapping[str, str]) -> list[str]:
     )
 
 
+def settings_file_names() -> list[str]:
+    """The names the settings file (``.env`` in the working directory, as the settings
+    read it) sets; its values are not read here."""
+    env_file = Settings.model_config.get("env_file")
+    if not isinstance(env_file, str) or not Path(env_file).is_file():
+        return []
+    from dotenv import dotenv_values
+
+    return [name for name in dotenv_values(env_file, encoding="utf-8") if name]
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """The process's settings, read once. Tests build their own ``Settings``."""
