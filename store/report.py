@@ -29,13 +29,13 @@ def runs(session: Session) -> Sequence[Run]:
     return session.scalars(select(Run).order_by(Run.id)).all()
 
 
-def archived(session: Session) -> list[tuple[str, str, str, int | None]]:
+def archived(session: Session) -> list[tuple[str, str, str, int | None, int | None]]:
+    """Each archived row: user, reason, key, and the run or the signal that archived it."""
+    archive = ArchivedEntry
     rows = session.execute(
-        select(ArchivedEntry.user_id, ArchivedEntry.reason, ArchivedEntry.row, ArchivedEntry.run_id).order_by(
-            ArchivedEntry.id
-        )
+        select(archive.user_id, archive.reason, archive.row, archive.run_id, archive.signal_id).order_by(archive.id)
     )
-    return [(user, reason, str(row.get("key")), run_id) for user, reason, row, run_id in rows]
+    return [(user, reason, str(row.get("key")), run_id, signal_id) for user, reason, row, run_id, signal_id in rows]
 
 
 def open_contradictions(session: Session) -> Sequence[Contradiction]:

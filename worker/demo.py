@@ -284,9 +284,12 @@ def _print(out: Console, s: dict[str, Any]) -> None:
     )
     _table(
         out,
-        "Archived and removed (restorable with `reverie restore --run ID`)",
-        ("user", "reason", "key", "run"),
-        [(user, reason, key, str(run_id or "")) for user, reason, key, run_id in s["archived"]],
+        "Archived first (restorable with `reverie restore --run ID` or `--signal ID`)",
+        ("user", "reason", "key", "run", "signal"),
+        [
+            (user, reason, key, str(run_id or ""), str(signal_id or ""))
+            for user, reason, key, run_id, signal_id in s["archived"]
+        ],
     )
     _table(
         out,
