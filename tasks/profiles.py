@@ -8,10 +8,10 @@ shown as a global one is; a ``group`` entry no agent owns is shown in no profile
 audience is its groups). Entries pruning would remove (stale) are never shown.
 
 Ranking, most important first (what does not fit is left out from the end):
-1. the day the entry was last updated or recalled, newest first;
+1. the day the entry was created, last updated or recalled (the latest), newest first;
 2. ``access_count``, most recalled first;
 3. category: ``property``, ``fact``, ``preference``, ``context``, any other, ``legacy``;
-4. the exact time it was last updated or recalled, newest first; then key and id.
+4. that latest time exactly, newest first; then key and id.
 
 Tokens are counted with the configured model's tokenizer through the LLM gateway, one
 line at a time, so a reader can cut to a smaller budget without a tokenizer; the whole
