@@ -11,14 +11,17 @@ from typing import Any
 from sqlalchemy import Connection, delete, event, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, SessionTransaction
 
 from store.models import KeyVector
 from worker.keymatch import KeyMatcher
+from worker.logs import get_logger
 
 MAX_NORM_KEY = 512
 # Keeps each IN list and insert well inside every driver's parameter limit.
 BATCH = 500
+
+log = get_logger(__name__)
 
 
 def load(session: Session, model: str, norm_keys: Iterable[str]) -> dict[str, bytes]:
@@ -35,14 +38,25 @@ def load(session: Session, model: str, norm_keys: Iterable[str]) -> dict[str, by
     return found
 
 
-def save(session: Session, model: str, vectors: Mapping[str, bytes], *, then: Callable[[], None] | None = None) -> None:
-    """Store new vectors; one another worker stored first is kept, in key order; ``then``
-    is called once they are committed (never if their transaction rolls back).
+def save(
+    session: Session,
+    model: str,
+    vectors: Mapping[str, bytes],
+    *,
+    then: Callable[[], None] | None = None,
+    lost: Callable[[], None] | None = None,
+) -> None:
+    """Store new vectors once the caller's transaction commits; one another worker stored
+    first is kept, in key order. ``then`` is called once they are stored; ``lost`` if they
+    are not (the caller's transaction rolled back, or the write failed): the caller may
+    offer them again.
 
-    On PostgreSQL they are committed at once in a transaction of their own: they hold
-    no user id (an erasure deletes those of its user's keys: :func:`forget`), and
-    inside the caller's long transaction a second worker storing the same keys would
-    wait for all of that transaction to end."""
+    They are stored only if the caller's work commits: a run that lost its user to an
+    erasure meanwhile (its transaction rolled back) stores no vector of that user's keys
+    after the erasure deleted them. On PostgreSQL they are then written in a transaction
+    of their own: they hold no user id (an erasure deletes those of its user's keys:
+    :func:`forget`), and a second worker storing the same keys waits for no one's long
+    transaction. On SQLite they are written in the caller's (one writer at a time)."""
     rows = [{"model": model, "norm_key": k, "vector": v} for k, v in sorted(vectors.items()) if len(k) <= MAX_NORM_KEY]
     if not rows:
         return
@@ -50,13 +64,24 @@ def save(session: Session, model: str, vectors: Mapping[str, bytes], *, then: Ca
     if bind.dialect.name != "postgresql":
         # SQLite has one writer: a second connection would wait for the caller's.
         _insert(session, sqlite_insert, rows)
-        if then is not None:
-            _once_committed(session, then)
+        _once_committed(session, then, lost)
         return
-    with Session(bind=bind.engine if isinstance(bind, Connection) else bind) as own, own.begin():
-        _insert(own, pg_insert, rows)
-    if then is not None:
-        then()
+    engine = bind.engine if isinstance(bind, Connection) else bind
+    session.connection()  # the caller's transaction begun, so its end is the one waited for
+
+    def store() -> None:
+        try:
+            with Session(bind=engine) as own, own.begin():
+                _insert(own, pg_insert, rows)
+        except Exception as exc:  # after the caller's commit: its work stands, whatever this does
+            log.warning("key_vectors_not_stored", vectors=len(rows), error_type=type(exc).__name__)
+            if lost is not None:
+                lost()
+            return
+        if then is not None:
+            then()
+
+    _once_committed(session, store, lost)
 
 
 def forget(session: Session, norm_keys: Iterable[str]) -> int:
@@ -104,30 +129,50 @@ def prepare(session: Session, matcher: KeyMatcher, keys: Iterable[str], *, propo
         matcher.hold_back(computed.keys() - new.keys())
     # And a proposed key's vector this process held back, now that a row holds the key.
     back = matcher.held_back(held)
-    save(session, model, {**back, **new}, then=(lambda: matcher.stored(back)) if back else None)
+    save(
+        session,
+        model,
+        {**back, **new},
+        then=lambda: matcher.stored(back),
+        # Not stored (the caller's work rolled back): offered again by the next prepare
+        # that finds a row holding the key.
+        lost=lambda: matcher.hold_back(new),
+    )
     return len(computed)
 
 
-#: ``Session.info``'s key for what to do once the session's transaction commits.
-_ON_COMMIT = "reverie.key_vectors.on_commit"
+#: ``Session.info``'s key for what to do once the session's transaction ends.
+_ON_END = "reverie.key_vectors.on_end"
 
 
-def _once_committed(session: Session, then: Callable[[], None]) -> None:
-    """Call ``then`` when the session's transaction commits; never if it rolls back."""
-    pending = session.info.get(_ON_COMMIT)
+def _once_committed(
+    session: Session, then: Callable[[], None] | None, otherwise: Callable[[], None] | None = None
+) -> None:
+    """Call ``then`` when the session's transaction commits, ``otherwise`` if it rolls back."""
+    pending = session.info.get(_ON_END)
     if pending is None:
-        pending = session.info[_ON_COMMIT] = []
+        pending = session.info[_ON_END] = []
         event.listen(session, "after_commit", _committed)
-        event.listen(session, "after_rollback", _rolled_back)
-    pending.append(then)
+        # Every rollback of the whole transaction, whether or not it had used a connection.
+        event.listen(session, "after_soft_rollback", _rolled_back)
+    pending.append((then, otherwise))
+
+
+def _ended(session: Session) -> list[tuple[Callable[[], None] | None, Callable[[], None] | None]]:
+    pending = session.info[_ON_END]
+    done, pending[:] = list(pending), []
+    return done
 
 
 def _committed(session: Session) -> None:
-    pending = session.info[_ON_COMMIT]
-    done, pending[:] = list(pending), []
-    for then in done:
-        then()
+    for then, _ in _ended(session):
+        if then is not None:
+            then()
 
 
-def _rolled_back(session: Session) -> None:
-    session.info[_ON_COMMIT].clear()
+def _rolled_back(session: Session, previous: SessionTransaction) -> None:
+    if previous.nested:
+        return  # a savepoint: the transaction goes on
+    for _, otherwise in _ended(session):
+        if otherwise is not None:
+            otherwise()

@@ -405,20 +405,35 @@ def test_key_matching_benchmark_quick_mode_meets_its_goals() -> None:
     assert sum(r.passed is True for r in rows) == 4
 
 
-def test_stored_vectors_are_committed_at_once_not_with_the_callers_long_transaction(pg_settings: Settings) -> None:
-    # Two pool processes dreaming chunks that share keys must not wait for each other's
-    # whole chunk: the vectors are visible to others while the caller's work goes on.
+def test_stored_vectors_wait_for_the_callers_commit_and_for_no_one_elses(pg_settings: Settings) -> None:
+    # Vectors are stored once the caller's work commits (a run that lost its user to an
+    # erasure stores none of that user's keys after the erasure), in a transaction of
+    # their own: two pool processes dreaming chunks that share keys never wait for each
+    # other's whole chunk, and the first one stored is kept.
     vector = bytes(range(16))
+    stored: list[int] = []
+    lost: list[int] = []
     with session_scope(pg_settings) as long_running:
-        key_vectors.save(long_running, "test-model", {"date_of_birth": vector})
+        key_vectors.save(
+            long_running, "test-model", {"date_of_birth": vector}, then=lambda: stored.append(1), lost=lost.clear
+        )
         with session_scope(pg_settings) as other:
-            assert key_vectors.load(other, "test-model", ["date_of_birth"]) == {"date_of_birth": vector}
-            # Storing it again from elsewhere neither waits nor fails.
+            assert key_vectors.load(other, "test-model", ["date_of_birth"]) == {}
+            # Storing it from elsewhere meanwhile neither waits nor fails.
             other.execute(text("SET LOCAL lock_timeout = '2s'"))
             key_vectors.save(other, "test-model", {"date_of_birth": bytes(16)})
-        long_running.rollback()
+        with session_scope(pg_settings) as after_other:
+            assert key_vectors.load(after_other, "test-model", ["date_of_birth"]) == {"date_of_birth": bytes(16)}
+    assert stored == [1]
     with session_scope(pg_settings) as after:
-        assert key_vectors.load(after, "test-model", ["date_of_birth"]) == {"date_of_birth": vector}
+        assert key_vectors.load(after, "test-model", ["date_of_birth"]) == {"date_of_birth": bytes(16)}
+    # A caller whose work rolls back stores nothing, and is told so.
+    with session_scope(pg_settings) as rolled_back:
+        key_vectors.save(rolled_back, "test-model", {"birthday": vector}, lost=lambda: lost.append(1))
+        rolled_back.rollback()
+    with session_scope(pg_settings) as after:
+        assert key_vectors.load(after, "test-model", ["birthday"]) == {}
+    assert lost == [1]
 
 
 @pytest.mark.parametrize(
@@ -547,9 +562,9 @@ def test_a_proposed_key_written_as_a_new_entry_has_its_vector_stored_by_the_next
 
 def test_a_held_back_vector_whose_write_rolls_back_is_stored_by_the_next_write(store_settings: Settings) -> None:
     # A proposed key's vector is held in memory; once a row holds the key, the next
-    # prepare stores it: on PostgreSQL at once, in a transaction of its own; on SQLite in
-    # the caller's. If that one rolls back, the vector is still held back, and the next
-    # prepare stores it (else every new process would run the model on that key again).
+    # prepare stores it when the caller's transaction commits. If that one rolls back,
+    # the vector is still held back, and the next prepare stores it (else every new
+    # process would run the model on that key again).
     from store.models import KeyVector
 
     settings = store_settings.model_copy(update={"key_matching": "embedding"})
@@ -567,8 +582,7 @@ def test_a_held_back_vector_whose_write_rolls_back_is_stored_by_the_next_write(s
     with pytest.raises(RuntimeError), session_scope(settings) as session:
         key_vectors.prepare(session, matcher, ["jane_doe_mobile_number"])
         raise RuntimeError("the caller's transaction fails after the write")
-    on_postgresql = settings.database_url.startswith("postgresql")
-    assert (form in forms()) == on_postgresql
+    assert form not in forms()
     with session_scope(settings) as session:
         assert key_vectors.prepare(session, matcher, ["jane_doe_mobile_number"]) == 0
     assert form in forms()
