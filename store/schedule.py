@@ -84,6 +84,15 @@ def mark_dirty_known(session: Session, user_ids: Sequence[str], at: datetime) ->
         session.execute(update(UserState).where(UserState.user_id.in_(users)).values(dirty_since=at))
 
 
+def clear_mark(session: Session, user_ids: Sequence[str], at: datetime) -> None:
+    """Take back the marks :func:`mark_dirty_known` made at ``at`` (a later one stays)."""
+    users = sorted(set(user_ids))
+    if users:
+        session.execute(
+            update(UserState).where(UserState.user_id.in_(users), UserState.dirty_since == at).values(dirty_since=None)
+        )
+
+
 def due_user_ids(session: Session, at: datetime, limit: int, settings: Settings | None = None) -> list[str]:
     """Up to ``limit`` user ids due at ``at``, in a stable order.
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -587,6 +588,51 @@ def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_setting
     with session_scope(pg_settings) as session:
         state = session.get(UserState, "u-r")
         assert state is None or state.dirty_since is None
+
+
+def test_a_restore_that_dies_before_its_profile_rebuild_leaves_the_user_to_a_dream_soon(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Killed between the restore's commit and the profiles' rebuild: the user is marked
+    # changed by the restore itself, so a dream after the dirty delay rebuilds them (not
+    # the scheduled one, a day away).
+    from sqlalchemy import select
+    from typer.testing import CliRunner
+
+    from store import schedule
+    from store.db import session_scope
+    from store.models import UserState
+    from store.types import db_now
+    from tasks.dream import dream_user
+    from tests.dream_seed import entry, seed
+    from worker.cli import app, dream_cmds
+    from worker.settings import get_settings
+
+    seed(
+        pg_settings,
+        [
+            entry("u-k", "old_hobby", "chess", visibility="global", agent=None, age_days=300),
+            entry("u-k", "home_city", "Lisbon", visibility="global", agent=None),
+        ],
+    )
+    outcome = dream_user(pg_settings, "u-k")
+    assert outcome.entries_pruned == 1 and outcome.run_id is not None
+
+    def killed(*_: object) -> None:
+        raise SystemExit(137)
+
+    monkeypatch.setattr(dream_cmds, "_rebuild_profiles", killed)
+    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, ["restore", "--run", str(outcome.run_id)])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 137
+    with session_scope(pg_settings) as session:
+        assert session.scalar(select(UserState.dirty_since).where(UserState.user_id == "u-k")) is not None
+        later = db_now(session) + timedelta(seconds=pg_settings.dispatch_dirty_delay_seconds + 1)
+        assert "u-k" in schedule.due_user_ids(session, later, 10, pg_settings)
 
 
 def test_a_restore_leaves_model_written_profiles_to_the_model_at_the_next_dream(pg_settings: Settings) -> None:

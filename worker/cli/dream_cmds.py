@@ -165,9 +165,11 @@ def restore(
     ] = None,
 ) -> None:
     """Put back every row a run or a signal archived (and take out the entries it wrote)."""
+    from store import schedule
     from store.archive import restore_run, restore_signal
     from store.db import session_scope
     from store.memories import table_for
+    from store.types import db_now
 
     if (run_id is None) == (signal_id is None):
         fail("give exactly one of --run and --signal", code=2)
@@ -178,7 +180,14 @@ def restore(
         else:
             assert signal_id is not None
             result = restore_signal(session, table_for(settings), signal_id)
+        # Marked changed with the restore itself: if this process dies before the profiles
+        # below are rebuilt, a dream after the dirty delay rebuilds them.
+        marked_at = db_now(session)
+        schedule.mark_dirty_known(session, result.users, marked_at)
     rebuilt, left = _rebuild_profiles(settings, result.users)
+    with session_scope(settings) as session:
+        # Rebuilt: no dream is needed for them (a mark made since stays).
+        schedule.clear_mark(session, [u for u in result.users if u not in left], marked_at)
     what = f"run {run_id}" if run_id is not None else f"signal {signal_id}"
     print(
         f"{what}: restored {result.restored} entries, took out {result.removed_inserts} it wrote"
