@@ -99,6 +99,19 @@ class RunOutcome:
 UNKNOWN_USER = "no entries and no schedule (erased, or not known yet): nothing to dream"
 
 
+#: A worker's dream task is interrupted (soft) and then killed (hard) after this long:
+#: the longest a worker's run holds its users' leases, renewing them.
+DREAM_SOFT_TIME_LIMIT_SECONDS = 1500
+DREAM_TIME_LIMIT_SECONDS = 1800
+
+
+def longest_hold(settings: Settings) -> float:
+    """The longest a healthy dream holds a user's lease (renewing it): a worker's task
+    until its hard time limit, a cron pass until its time limit, each plus one lease for
+    the work under way then to end."""
+    return max(DREAM_TIME_LIMIT_SECONDS, settings.cron_time_limit_seconds) + lease_ttl(settings).total_seconds()
+
+
 def lease_ttl(settings: Settings) -> timedelta:
     if settings.dream_lease_seconds is not None:
         return timedelta(seconds=settings.dream_lease_seconds)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -28,7 +29,13 @@ ERASE_LEASE = timedelta(minutes=5)
 POLL_SECONDS = 0.1
 
 
-def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None = None) -> dict[str, int]:
+def erase_user(
+    settings: Settings,
+    user_id: str,
+    *,
+    wait_seconds: float | None = None,
+    on_wait: Callable[[], None] | None = None,
+) -> dict[str, int]:
     """Remove every row about ``user_id`` in one transaction; rows removed per table.
 
     Signals for the user enqueued before this call are dropped (including one a worker
@@ -38,16 +45,17 @@ def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None =
     A dream run for the user in progress is waited for first (the erasure takes the
     user's dream lease, as a run does, and holds it until everything is gone): a run's
     last writes, such as its ledger row and the user's next dream time, would otherwise
-    land after the erasure. The wait lasts at most ``wait_seconds`` (default: the dream
-    lease's length, after which a crashed run's lease has expired); then
-    :class:`~worker.errors.UserBusy` is raised and nothing is erased. Raises
+    land after the erasure. The wait lasts at most ``wait_seconds`` (default: the longest
+    a healthy run holds a user, :func:`lease_wait`); then
+    :class:`~worker.errors.UserBusy` is raised and nothing is erased. ``on_wait`` is
+    called once when the erasure starts waiting. Raises
     ``InvalidSignal`` for an empty or malformed user id (one of spaces alone is a user's).
     """
     check_lookup("user_id", user_id)
     deadline = time.monotonic() + (lease_wait(settings) if wait_seconds is None else wait_seconds)
     first_had_schedule: bool | None = None
     while True:
-        taking = _take_lease(settings, user_id, deadline)
+        taking = _take_lease(settings, user_id, deadline, on_wait)
         token, had_schedule = taking.token, not taking.made_row
         # A second try finds the row its first lease made: not the user's data either.
         first_had_schedule = had_schedule if first_had_schedule is None else first_had_schedule
@@ -79,11 +87,12 @@ def erase_user(settings: Settings, user_id: str, *, wait_seconds: float | None =
 
 
 def lease_wait(settings: Settings) -> float:
-    """How long an erasure waits for a dream run by default: a crashed run's lease has
-    expired by then."""
-    from tasks.dream import lease_ttl
+    """How long an erasure waits for a dream run by default: the longest a healthy run
+    holds the user (:func:`tasks.dream.longest_hold`); a crashed run's lease has expired
+    long before."""
+    from tasks.dream import longest_hold
 
-    return lease_ttl(settings).total_seconds()
+    return longest_hold(settings)
 
 
 @dataclass
@@ -104,7 +113,9 @@ class _Taking:
             locks.release(session, self.user_id, self.token)
 
 
-def _take_lease(settings: Settings, user_id: str, deadline: float) -> _Taking:
+def _take_lease(
+    settings: Settings, user_id: str, deadline: float, on_wait: Callable[[], None] | None = None
+) -> _Taking:
     """Take the user's dream lease, waiting until ``deadline`` for a run that holds it:
     its token, and whether taking it made the user's schedule row (the user had none)."""
     taking = _Taking(user_id)
@@ -124,5 +135,7 @@ def _take_lease(settings: Settings, user_id: str, deadline: float) -> _Taking:
             raise UserBusy(user_ref(user_id, settings.log_hash_key))
         if not logged:
             log.info("erase_waits_for_dream_run", user=user_ref(user_id, settings.log_hash_key))
+            if on_wait is not None:
+                on_wait()
             logged = True
         time.sleep(POLL_SECONDS)

@@ -590,6 +590,40 @@ def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_setting
         assert state is None or state.dirty_since is None
 
 
+def test_erase_user_waits_for_a_dream_under_way_and_says_so(pg_settings: Settings) -> None:
+    # A dream holds the user (renewing its lease): the erasure says it waits, and by
+    # default waits as long as a healthy dream can run (not one lease, which a chunk
+    # renews). Given up, it names the user as typed and erases nothing.
+    from datetime import timedelta as span
+
+    from sqlalchemy import func, select
+
+    from store import locks
+    from store.db import session_scope
+    from store.memories import table_for
+    from tasks.dream import DREAM_TIME_LIMIT_SECONDS
+    from tasks.erase import lease_wait
+    from tests.dream_seed import entry, seed
+
+    assert lease_wait(pg_settings) > DREAM_TIME_LIMIT_SECONDS
+    seed(pg_settings, [entry("busy user", "home_city", "Lisbon")])
+    with session_scope(pg_settings) as session:
+        assert locks.acquire(session, "busy user", "a-dream", span(minutes=10))
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
+    result = run(["erase-user", "busy user", "--yes", "--wait", "1"], env=env)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "waiting for the dream of user 'busy user' under way to end (up to 1 s)..." in lines
+    assert (
+        lines[-1]
+        == "reverie: error: a dream of user 'busy user' was still running after 1 s: nothing erased; try again later"
+    )
+    table = table_for(pg_settings)
+    with session_scope(pg_settings) as session:
+        assert session.scalar(select(func.count()).select_from(table)) == 1
+    assert run(["erase-user", "busy user", "--yes", "--wait", "-1"], env=env).returncode == 2
+
+
 def test_a_restore_that_dies_before_its_profile_rebuild_leaves_the_user_to_a_dream_soon(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

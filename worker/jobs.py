@@ -25,7 +25,13 @@ from celery.exceptions import SoftTimeLimitExceeded
 from schedules import dispatcher, sweeper
 from schedules.beat import periods
 from tasks.activity import detect_routines
-from tasks.dream import UNKNOWN_USER, dream_user, dream_users
+from tasks.dream import (
+    DREAM_SOFT_TIME_LIMIT_SECONDS,
+    DREAM_TIME_LIMIT_SECONDS,
+    UNKNOWN_USER,
+    dream_user,
+    dream_users,
+)
 from tasks.retention import purge_expired
 from tasks.signals import process_signal
 from worker import periodic
@@ -73,13 +79,19 @@ def process(signal_id: int) -> str:
     return process_signal(get_settings(), signal_id)
 
 
-@task("dream.run_user", soft_time_limit=1500, time_limit=1800, **RETRY)
+@task("dream.run_user", soft_time_limit=DREAM_SOFT_TIME_LIMIT_SECONDS, time_limit=DREAM_TIME_LIMIT_SECONDS, **RETRY)
 def run_user(user_id: str) -> str:
     """One user's dream on demand; returns the run's status."""
     return dream_user(get_settings(), user_id, trigger="manual").status
 
 
-@task("dream.run_users", bind=True, soft_time_limit=1500, time_limit=1800, max_retries=8)
+@task(
+    "dream.run_users",
+    bind=True,
+    soft_time_limit=DREAM_SOFT_TIME_LIMIT_SECONDS,
+    time_limit=DREAM_TIME_LIMIT_SECONDS,
+    max_retries=8,
+)
 def run_users(self: Task, user_ids: list[str]) -> dict[str, int]:
     """A chunk of dispatched users, dreamed together (see :func:`tasks.dream.dream_users`)."""
     settings = get_settings()
