@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -375,11 +375,13 @@ def _build_profiles(
         if not read.users:
             return None
         writer = None
+        keep_paid = None
         if profiles.writes_with_model(policies):
             run_ids = {u: o.run_id for u, o in outcomes.items()}
             writer = ProfileWriter(settings, run_ids, profiles.counter(settings))
+            keep_paid = _keeping_paid(settings, keeper, writer, read.only)
         composed = profiles.compose(
-            settings, read, book=policies, writer=writer, interrupts=interrupts, deadline=deadline
+            settings, read, book=policies, writer=writer, interrupts=interrupts, deadline=deadline, built=keep_paid
         )
     except (TransientError, DatabaseUnavailable):
         raise
@@ -406,6 +408,30 @@ def _build_profiles(
         for user_id in composed.deferred:
             outcomes[user_id].retry_soon = True
     return composed
+
+
+def _keeping_paid(
+    settings: Settings, keeper: LeaseKeeper, writer: ProfileWriter, only: dict[str, set[str]]
+) -> Callable[[str, list[dict[str, Any]]], None]:
+    """What keeps, as soon as they are built, the profiles of a user the model was paid
+    to write: written in a transaction of their own that re-takes the user's lease last
+    (a user lost to an erasure gets nothing), so a pass that dies before its runs close
+    does not pay for them again. The transaction that closes the runs writes them again,
+    the same rows. A failure here only leaves them to that one."""
+
+    def keep(user_id: str, rows: list[dict[str, Any]]) -> None:
+        if user_id not in writer.paid:
+            return
+        mine = profiles.Composed({user_id: rows}, {user_id: only[user_id]} if user_id in only else {})
+        try:
+            with session_scope(settings) as session:
+                profiles.save(session, mine, [user_id])
+                if not keeper.hold_many(session, [user_id]):
+                    session.rollback()
+        except Exception as exc:
+            log.warning("dream.profiles_deferred", users=1, error_type=type(exc).__name__)
+
+    return keep
 
 
 def _waited_for_a_lock(exc: OperationalError) -> bool:

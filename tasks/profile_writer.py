@@ -152,6 +152,8 @@ class ProfileWriter:
 
     def __init__(self, settings: Settings, run_ids: Mapping[str, int | None], count: Callable[[str], int]) -> None:
         self.settings, self.run_ids, self.count = settings, run_ids, count
+        #: Users for whom a call was made (paid for, whatever became of its answer).
+        self.paid: set[str] = set()
 
     def __call__(
         self, user_id: str, agent: str, built: Built, allowed: Mapping[str, int], current: Current | None
@@ -176,6 +178,7 @@ class ProfileWriter:
             built.budget, current_text, list(built.layout.lines), changed=changed, removed=removed, left_out=left_out
         )
         ceiling = built.budget + OUTPUT_SLACK_TOKENS + OUTPUT_TOKENS_PER_LINE * len(built.layout.lines)
+        self.paid.add(user_id)  # from here on the call may be billed, whatever it answers
         try:
             reply = llm.complete(
                 self.settings,

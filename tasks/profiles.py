@@ -388,6 +388,7 @@ def compose(
     writer: Writer | None = None,
     interrupts: tuple[type[BaseException], ...] = (),
     deadline: float | None = None,
+    built: Callable[[str, list[dict[str, Any]]], None] | None = None,
 ) -> Composed:
     """Build the profiles of the users ``read`` found changed, outside any transaction.
 
@@ -398,7 +399,8 @@ def compose(
     task's soft time limit), like the database or the model's service going away, stop
     the build: what was built is kept, and the users left are :attr:`Composed.deferred`;
     so does ``deadline`` (``time.monotonic()``: the time for model work is up) before the
-    next user whose profiles the writer may write."""
+    next user whose profiles the writer may write. ``built(user, rows)`` is called as
+    each user's profiles are built (to keep what the model was paid for at once)."""
     count = counter(settings)
     budget = budget_for(settings)
     tokenizer = llm.model_name(settings)
@@ -437,6 +439,8 @@ def compose(
                 whole=whole,
                 tokenizer=tokenizer,
             )
+            if built is not None:
+                built(user_id, out[user_id])
         except _NOT_ONE_USERS + interrupts as exc:
             # Not this user's doing: the rest wait for the next pass, and what was built
             # (model calls paid for) is kept.

@@ -568,6 +568,39 @@ def test_no_profile_call_starts_once_the_chunks_time_for_model_work_is_up(
     assert {_stored(settings, u)[""].layout["writer"] for u in ("u2", "u3")} == {"model"}
 
 
+def test_a_pass_killed_amid_the_model_written_profiles_pays_for_none_of_them_twice(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The process dies (a kill, not an error it can handle) while the model writes u3's
+    # profile: u1's and u2's, paid for, were kept as they were written, so the next pass
+    # asks the model for u3's alone.
+    from tasks.profile_writer import ProfileWriter
+
+    class Killed(BaseException):
+        pass
+
+    settings = scripted_settings(pg_settings)
+    seed(settings, [row for user in ("u1", "u2", "u3") for row in _about(user)])
+    SCRIPTED_REPLY["text"] = json.dumps({"unchanged": True})
+    write = ProfileWriter.__call__
+
+    def killed_at_u3(self: ProfileWriter, user_id: str, *args: Any, **kwargs: Any) -> Any:
+        if user_id == "u3":
+            raise Killed()
+        return write(self, user_id, *args, **kwargs)
+
+    monkeypatch.setattr(ProfileWriter, "__call__", killed_at_u3)
+    with pytest.raises(Killed):
+        dream_users(settings, ["u1", "u2", "u3"])
+    paid = {user: _spent(settings, user) for user in ("u1", "u2", "u3")}
+    assert paid["u1"] > 0 and paid["u2"] > 0 and paid["u3"] == 0
+    assert {_stored(settings, user)[""].layout["writer"] for user in ("u1", "u2")} == {"model"}
+    monkeypatch.setattr(ProfileWriter, "__call__", write)
+    dream_users(settings, ["u1", "u2", "u3"])
+    assert _spent(settings, "u1") == paid["u1"] and _spent(settings, "u2") == paid["u2"]
+    assert _spent(settings, "u3") > 0 and _stored(settings, "u3")[""].layout["writer"] == "model"
+
+
 def test_the_soft_time_limit_in_a_profile_call_stops_the_chunks_model_work(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,7 +22,9 @@ app.add_typer(policy_app, name="policy")
 
 @app.command()
 def run(
-    user: Annotated[list[str] | None, typer.Option("--user", metavar="USER", help="Dream this user (repeatable).")] = None,
+    user: Annotated[
+        list[str] | None, typer.Option("--user", metavar="USER", help="Dream this user (repeatable).")
+    ] = None,
     all_users: Annotated[bool, typer.Option("--all", help="Dream every user, due or not.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     metrics_textfile: Annotated[
