@@ -112,6 +112,15 @@ def longest_hold(settings: Settings) -> float:
     return max(DREAM_TIME_LIMIT_SECONDS, settings.cron_time_limit_seconds) + lease_ttl(settings).total_seconds()
 
 
+@dataclass(frozen=True)
+class ModelTime:
+    """When a chunk's model work stops: after ``deadline`` (``time.monotonic()``; None:
+    no budget of time), or once one of ``interrupts`` (the task's soft time limit) fired."""
+
+    deadline: float | None = None
+    interrupts: tuple[type[BaseException], ...] = ()
+
+
 def lease_ttl(settings: Settings) -> timedelta:
     if settings.dream_lease_seconds is not None:
         return timedelta(seconds=settings.dream_lease_seconds)
@@ -353,9 +362,7 @@ def _build_profiles(
     outcomes: dict[str, RunOutcome],
     policies: PolicyBook,
     keeper: LeaseKeeper,
-    *,
-    deadline: float | None = None,
-    interrupts: tuple[type[BaseException], ...] = (),
+    limits: ModelTime = ModelTime(),
 ) -> profiles.Composed | None:
     """The profiles of the users whose memory changed, read in one short transaction
     and built outside any (None: profiles are off, nobody changed, or the build failed,
@@ -381,7 +388,13 @@ def _build_profiles(
             writer = ProfileWriter(settings, run_ids, profiles.counter(settings))
             keep_paid = _keeping_paid(settings, keeper, writer, read.only)
         composed = profiles.compose(
-            settings, read, book=policies, writer=writer, interrupts=interrupts, deadline=deadline, built=keep_paid
+            settings,
+            read,
+            book=policies,
+            writer=writer,
+            interrupts=limits.interrupts,
+            deadline=limits.deadline,
+            built=keep_paid,
         )
     except (TransientError, DatabaseUnavailable):
         raise
@@ -400,7 +413,7 @@ def _build_profiles(
         # Each user on their own now: one user's rows (a value no code foresaw) must not
         # keep the others' profiles from being built, pass after pass.
         log.error("dream.profiles_failed", users=len(outcomes), error_type=type(exc).__name__)
-        return _build_one_by_one(settings, outcomes, policies, keeper, deadline=deadline, interrupts=interrupts)
+        return _build_one_by_one(settings, outcomes, policies, keeper, limits)
     metrics.PROFILE_BUILD_DURATION.observe(time.monotonic() - started)
     if composed.deferred:
         # What was built is written; the others are built again at the next pass.
@@ -444,15 +457,13 @@ def _build_one_by_one(
     outcomes: dict[str, RunOutcome],
     policies: PolicyBook,
     keeper: LeaseKeeper,
-    *,
-    deadline: float | None = None,
-    interrupts: tuple[type[BaseException], ...] = (),
+    limits: ModelTime = ModelTime(),
 ) -> profiles.Composed | None:
     """:func:`_build_profiles` for each user alone (after the chunk's build failed)."""
     rows: dict[str, list[dict[str, Any]]] = {}
     only: dict[str, set[str]] = {}
     for user_id, outcome in outcomes.items():
-        mine = _build_profiles(settings, {user_id: outcome}, policies, keeper, deadline=deadline, interrupts=interrupts)
+        mine = _build_profiles(settings, {user_id: outcome}, policies, keeper, limits)
         if mine is not None:
             rows.update(mine.rows)
             only.update(mine.only)
@@ -663,7 +674,7 @@ def dream_users(
                 # Out of time (soft limit or time budget): close the runs first; the
                 # profiles of users who changed are rebuilt by the next pass.
                 deadline = None if budget_seconds is None else started + budget_seconds
-                chunk.refresh_profiles(deadline, interrupts)
+                chunk.refresh_profiles(ModelTime(deadline, interrupts))
         finally:
             chunk.finish(time.monotonic() - started)
     # A user left out was busy or had their schedule row locked at that instant: the
@@ -781,15 +792,13 @@ class _Chunk:
                     # at the user's next dream time a day away; a bug is not retried early.
                     self.carried.append(outcome.user_id)
 
-    def refresh_profiles(self, deadline: float | None, interrupts: tuple[type[BaseException], ...]) -> None:
+    def refresh_profiles(self, limits: ModelTime) -> None:
         """Build the profiles of the chunk's users whose memory changed; :meth:`finish`
         writes them, in the transaction that closes the runs and checks the leases. No
-        model call starts after ``deadline`` (monotonic) or once ``interrupts`` fired:
+        model call starts once ``limits`` say the time for model work is up:
         the users left are built at the next pass."""
         try:
-            self.composed = _build_profiles(
-                self.settings, self.outcomes, self.policies, self.keeper, deadline=deadline, interrupts=interrupts
-            )
+            self.composed = _build_profiles(self.settings, self.outcomes, self.policies, self.keeper, limits)
         except (TransientError, DatabaseUnavailable) as exc:
             # The runs' own work is committed; the profiles are rebuilt on the next
             # pass, which the users are marked for.
