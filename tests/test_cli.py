@@ -555,6 +555,23 @@ def test_on_sqlite_the_last_access_column_is_found_whatever_its_case(sqlite_sett
         check_memory_table(sqlite_settings.model_copy(update={"memory_last_access_column": "lastaccess"}))
 
 
+def _pruned_once(settings: Settings, user: str) -> int:
+    """A user with a stale global entry and a fresh one, dreamed once: the run that pruned it."""
+    from tasks.dream import dream_user
+    from tests.dream_seed import entry, seed
+
+    seed(
+        settings,
+        [
+            entry(user, "old_hobby", "chess", visibility="global", agent=None, age_days=300),
+            entry(user, "home_city", "Lisbon", visibility="global", agent=None),
+        ],
+    )
+    outcome = dream_user(settings, user)
+    assert outcome.entries_pruned == 1 and outcome.run_id is not None
+    return outcome.run_id
+
+
 def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_settings: Settings) -> None:
     # A dream soon after would summarize restored originals again, and pay for it: the
     # restore rebuilds the profiles itself.
@@ -562,18 +579,8 @@ def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_setting
 
     from store.db import session_scope
     from store.models import Profile, UserState
-    from tasks.dream import dream_user
-    from tests.dream_seed import entry, seed
 
-    seed(
-        pg_settings,
-        [
-            entry("u-r", "old_hobby", "chess", visibility="global", agent=None, age_days=300),
-            entry("u-r", "home_city", "Lisbon", visibility="global", agent=None),
-        ],
-    )
-    outcome = dream_user(pg_settings, "u-r")
-    assert outcome.entries_pruned == 1 and outcome.run_id is not None
+    run_id = _pruned_once(pg_settings, "u-r")
 
     def profile_text() -> str:
         with session_scope(pg_settings) as session:
@@ -581,7 +588,7 @@ def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_setting
 
     assert "chess" not in profile_text()
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
-    result = run(["restore", "--run", str(outcome.run_id)], env=env)
+    result = run(["restore", "--run", str(run_id)], env=env)
     assert result.returncode == 0, result.stderr
     assert "restored 1 entries" in result.stdout and "1 profiles rebuilt" in result.stdout
     assert "- old hobby: chess" in profile_text()
@@ -637,20 +644,10 @@ def test_a_restore_that_dies_before_its_profile_rebuild_leaves_the_user_to_a_dre
     from store.db import session_scope
     from store.models import UserState
     from store.types import db_now
-    from tasks.dream import dream_user
-    from tests.dream_seed import entry, seed
     from worker.cli import app, dream_cmds
     from worker.settings import get_settings
 
-    seed(
-        pg_settings,
-        [
-            entry("u-k", "old_hobby", "chess", visibility="global", agent=None, age_days=300),
-            entry("u-k", "home_city", "Lisbon", visibility="global", agent=None),
-        ],
-    )
-    outcome = dream_user(pg_settings, "u-k")
-    assert outcome.entries_pruned == 1 and outcome.run_id is not None
+    run_id = _pruned_once(pg_settings, "u-k")
 
     def killed(*_: object) -> None:
         raise SystemExit(137)
@@ -659,7 +656,7 @@ def test_a_restore_that_dies_before_its_profile_rebuild_leaves_the_user_to_a_dre
     monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
     get_settings.cache_clear()
     try:
-        result = CliRunner().invoke(app, ["restore", "--run", str(outcome.run_id)])
+        result = CliRunner().invoke(app, ["restore", "--run", str(run_id)])
     finally:
         get_settings.cache_clear()
     assert result.exit_code == 137
