@@ -38,12 +38,16 @@ APPLICATION_NAME = "reverie"
 
 
 def safe_url(url: str) -> str:
-    """The URL with every secret masked (password, ``?password=``...), for messages and logs."""
+    """The URL with every secret masked (password, ``?password=``...), for messages and
+    logs; PostgreSQL's as the operator wrote it (``postgresql://``, not the driver's
+    ``postgresql+psycopg://`` the settings make of it)."""
     try:
         make_url(url)
     except (ArgumentError, ValueError):
         return "<invalid url>"
-    return mask_url(url)
+    shown = mask_url(url)
+    driver = "postgresql+psycopg://"
+    return "postgresql://" + shown.removeprefix(driver) if shown.startswith(driver) else shown
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

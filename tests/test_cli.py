@@ -1363,3 +1363,11 @@ def test_a_bad_log_level_setting_stops_any_command_naming_the_variable(
     # Any case, as before: a lower-case level is a level.
     fine = run(["health"], env={**env, "REVERIE_LOG_LEVEL": "warning"}, cwd=tmp_path)
     assert fine.returncode == 0, fine.stderr
+
+
+def test_an_error_names_the_database_url_as_the_operator_wrote_it() -> None:
+    # The settings make a postgresql:// URL the driver's postgresql+psycopg://; a message
+    # shows the one the operator set (its password masked).
+    result = run(["health"], env={"REVERIE_DATABASE_URL": "postgresql://app:s3cret@127.0.0.1:1/app"})
+    assert_one_line_error(result, "database unreachable at postgresql://app:***@127.0.0.1:1/app")
+    assert "s3cret" not in result.stderr and "+psycopg" not in result.stderr
