@@ -677,7 +677,7 @@ class Current(NamedTuple):
     written before they were kept)."""
 
     text: str
-    offered: tuple[str, ...] | None = None
+    offered: tuple[tuple[int, str], ...] | None = None
 
 
 def texts(session: Session, user_ids: Collection[str]) -> dict[tuple[str, str], Current]:
@@ -690,9 +690,18 @@ def texts(session: Session, user_ids: Collection[str]) -> dict[tuple[str, str], 
     return {(row.user_id, row.agent_id): Current(row.text, _offered(row.layout)) for row in session.execute(stmt)}
 
 
-def _offered(layout: Any) -> tuple[str, ...] | None:
+def _offered(layout: Any) -> tuple[tuple[int, str], ...] | None:
+    """The (section, line) pairs kept as ``offered`` (None where there are none, or in
+    another form: the model is then asked, as it was before they were kept)."""
     offered = layout.get("offered") if isinstance(layout, dict) else None
-    return tuple(str(line) for line in offered) if isinstance(offered, list) else None
+    if not isinstance(offered, list):
+        return None
+    pairs = []
+    for item in offered:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and isinstance(item[1], str)):
+            return None
+        pairs.append((item[0], item[1]))
+    return tuple(pairs)
 
 
 _READ_COLUMNS = "user_id, agent_id, text, tokens, budget, entries_included, entries_left_out, built_at"

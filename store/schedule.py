@@ -84,13 +84,13 @@ def mark_dirty_known(session: Session, user_ids: Sequence[str], at: datetime) ->
         session.execute(update(UserState).where(UserState.user_id.in_(users)).values(dirty_since=at))
 
 
-def clear_mark(session: Session, user_ids: Sequence[str], at: datetime) -> None:
-    """Take back the marks :func:`mark_dirty_known` made at ``at`` (a later one stays)."""
+def mark_changed_known(session: Session, user_ids: Sequence[str], at: datetime) -> None:
+    """Mark users changed at ``at`` where they have a schedule row and no mark yet (an
+    earlier mark stays: the dirty delay counts from the first change)."""
     users = sorted(set(user_ids))
     if users:
-        session.execute(
-            update(UserState).where(UserState.user_id.in_(users), UserState.dirty_since == at).values(dirty_since=None)
-        )
+        unmarked = UserState.user_id.in_(users), UserState.dirty_since.is_(None)
+        session.execute(update(UserState).where(*unmarked).values(dirty_since=at))
 
 
 def due_user_ids(session: Session, at: datetime, limit: int, settings: Settings | None = None) -> list[str]:

@@ -37,6 +37,7 @@ from tasks.summarize import SummaryCounts, summarize_user
 from worker import budget, metrics
 from worker.errors import (
     DatabaseUnavailable,
+    Interrupted,
     LeaseLost,
     PermanentError,
     ReverieError,
@@ -268,7 +269,15 @@ def _run(
     owners = _owners(policies, agent_id)
     try:
         _prune_and_detect(settings, user_id, keeper=keeper, policies=policies, owners=owners, at=at, outcome=outcome)
-        _summarize(settings, user_id, keeper=keeper, policies=policies, owners=owners, outcome=outcome)
+        try:
+            _summarize(settings, user_id, keeper=keeper, policies=policies, owners=owners, outcome=outcome)
+        except Interrupted as exc:
+            # The task's time is up in a model call: the run closes, and the next pass,
+            # which the user is marked for, does the rest (profiles included).
+            _fail(outcome, exc)
+            outcome.retry_soon = True
+            _finish(settings, user_id, run_id, at, outcome, keeper=keeper)
+            return
         try:
             _refresh_profiles(settings, {user_id: outcome}, policies, keeper)
         except (TransientError, DatabaseUnavailable) as exc:
@@ -425,20 +434,25 @@ def _build_profiles(
 
 def _keeping_paid(
     settings: Settings, keeper: LeaseKeeper, writer: ProfileWriter, only: dict[str, set[str]]
-) -> Callable[[str, list[dict[str, Any]]], None]:
+) -> Callable[[str, list[dict[str, Any]], bool], None]:
     """What keeps, as soon as they are built, the profiles of a user the model was paid
     to write: written in a transaction of their own that re-takes the user's lease last
     (a user lost to an erasure gets nothing), so a pass that dies before its runs close
     does not pay for them again. The transaction that closes the runs writes them again,
-    the same rows. A failure here only leaves them to that one."""
+    the same rows. A failure here only leaves them to that one. The profiles of a user
+    whose build stopped midway (not ``whole``) are kept alone, and the user's profiles
+    marked for the next pass, where the model, offered the same lines, is not asked again."""
 
-    def keep(user_id: str, rows: list[dict[str, Any]]) -> None:
+    def keep(user_id: str, rows: list[dict[str, Any]], whole: bool) -> None:
         if user_id not in writer.paid:
             return
-        mine = profiles.Composed({user_id: rows}, {user_id: only[user_id]} if user_id in only else {})
+        agents = only.get(user_id) if whole else {row["agent_id"] for row in rows}
+        mine = profiles.Composed({user_id: rows}, {user_id: agents} if agents is not None else {})
         try:
             with session_scope(settings) as session:
                 profiles.save(session, mine, [user_id])
+                if not whole:
+                    profiles.mark_for_rebuild(session, [user_id])
                 if not keeper.hold_many(session, [user_id]):
                     session.rollback()
         except Exception as exc:
@@ -758,6 +772,7 @@ class _Chunk:
 
     def summarize(self, interrupts: tuple[type[BaseException], ...], budget_seconds: float | None) -> None:
         pending = [o for o in self.outcomes.values() if o.status == "running"]
+        stops: tuple[type[BaseException], ...] = (Interrupted, *interrupts)
         started = time.monotonic()
         for index, outcome in enumerate(pending):
             if budget_seconds is not None and index and time.monotonic() - started >= budget_seconds:
@@ -777,8 +792,9 @@ class _Chunk:
             except LeaseLost as exc:
                 # Erased, or taken over by another run: that user's work stops here.
                 _fail(outcome, exc)
-            except interrupts as exc:
-                # The soft time limit: stop here, close the runs, and let the task end.
+            except stops as exc:
+                # The soft time limit (in a model call, or out of one): stop here, close
+                # the runs, and let the task end.
                 _fail(outcome, TransientError(f"interrupted: {type(exc).__name__}"))
                 self.carried.append(outcome.user_id)
                 self._carry(pending[index + 1 :])

@@ -32,12 +32,15 @@ from store.profiles import Current
 from tasks.profiles import Built
 from worker import metrics
 from worker import profile_text as fmt
-from worker.errors import BudgetExhausted, PermanentError, TransientError
+from worker.errors import BudgetExhausted, Interrupted, PermanentError, TransientError
 from worker.logs import get_logger, user_ref
 from worker.profile_text import Layout, Line
 from worker.settings import Settings
 
 log = get_logger(__name__)
+
+#: The lines a model is offered, each with its section.
+Offered = tuple[tuple[int, str], ...]
 
 PURPOSE = "profile"
 #: Output tokens allowed on top of the budget: the JSON around the profile, and a
@@ -162,7 +165,7 @@ class ProfileWriter:
 
         if not allowed:
             return None  # nothing to write about: the empty profile
-        offered = tuple(line.text for line in built.layout.lines)
+        offered = tuple((line.section, line.text) for line in built.layout.lines)
         kept = self._unchanged(current, built, allowed, offered)
         if kept is not None:
             return kept  # what the model wrote from these very lines still holds: no call
@@ -170,8 +173,10 @@ class ProfileWriter:
         shown = [line + "\n" for line in current_text.splitlines()]
         # New or changed since the model last wrote: a line it was not offered then (where
         # that is kept), else one the current profile does not show.
-        before = set(current.offered) if current is not None and current.offered is not None else set(shown)
-        changed = {text for text in offered if text not in before}
+        if current is not None and current.offered is not None:
+            changed = {text for section, text in offered if (section, text) not in set(current.offered)}
+        else:
+            changed = {text for _, text in offered if text not in set(shown)}
         removed = [line for line in shown if line.startswith("- ") and line not in allowed]
         left_out = built.layout.total - len(built.layout.lines)
         messages = build_messages(
@@ -195,6 +200,8 @@ class ProfileWriter:
         except llm.MalformedReply as exc:
             self._keep(user_id, "unusable", exc.reason)
             return None
+        except Interrupted:
+            raise  # the task's time is up: the build stops here (see tasks.profiles.compose)
         except (TransientError, PermanentError) as exc:
             self._keep(user_id, "failed", type(exc).__name__)
             return None
@@ -212,10 +219,10 @@ class ProfileWriter:
         return written
 
     def _unchanged(
-        self, current: Current | None, built: Built, allowed: Mapping[str, int], offered: tuple[str, ...]
+        self, current: Current | None, built: Built, allowed: Mapping[str, int], offered: Offered
     ) -> Built | None:
         """The current model-written profile, kept without a call, where the model would
-        be offered exactly the lines it wrote it from (the user's change was elsewhere:
+        be offered exactly the lines, each under its section, it wrote it from (the user's change was elsewhere:
         another agent's entry, a recall that moved no line in or out of the budget) and
         it still passes every check; else None."""
         if current is None or current.offered is None or Counter(current.offered) != Counter(offered):
@@ -225,7 +232,7 @@ class ProfileWriter:
         except Refused:
             return None
 
-    def _check(self, text: str, built: Built, allowed: Mapping[str, int], offered: tuple[str, ...]) -> Built:
+    def _check(self, text: str, built: Built, allowed: Mapping[str, int], offered: Offered) -> Built:
         lines = lines_of(text, allowed, self.count)
         total = sum(allowed.values())
         assembled = fmt.assemble(lines, total - len(lines))

@@ -64,9 +64,10 @@ class Built:
     included: int
     left_out: int
     layout: Layout
-    #: The lines the model was offered when it wrote this profile (kept with it, so the
+    #: The lines the model was offered when it wrote this profile, each with its section
+    #: (kept with it, so the
     #: next pass knows what changed since): None for a profile the model did not write.
-    offered: tuple[str, ...] | None = None
+    offered: tuple[tuple[int, str], ...] | None = None
 
 
 def _touched(row: Any) -> datetime:
@@ -388,7 +389,7 @@ def compose(
     writer: Writer | None = None,
     interrupts: tuple[type[BaseException], ...] = (),
     deadline: float | None = None,
-    built: Callable[[str, list[dict[str, Any]]], None] | None = None,
+    built: Callable[[str, list[dict[str, Any]], bool], None] | None = None,
 ) -> Composed:
     """Build the profiles of the users ``read`` found changed, outside any transaction.
 
@@ -399,8 +400,9 @@ def compose(
     task's soft time limit), like the database or the model's service going away, stop
     the build: what was built is kept, and the users left are :attr:`Composed.deferred`;
     so does ``deadline`` (``time.monotonic()``: the time for model work is up) before the
-    next user whose profiles the writer may write. ``built(user, rows)`` is called as
-    each user's profiles are built (to keep what the model was paid for at once)."""
+    next call the writer would make. ``built(user, rows, whole)`` is called as each user's
+    profiles are built (``whole``), and with the profiles of the stopped user built
+    before the stop (not ``whole``), to keep what the model was paid for at once."""
     count = counter(settings)
     budget = budget_for(settings)
     tokenizer = llm.model_name(settings)
@@ -422,11 +424,10 @@ def compose(
     deferred: list[str] = []
     deferred_by = ""
     for index, (user_id, mine) in enumerate(entries.items()):
-        if writer is not None and deadline is not None and time.monotonic() >= deadline:
-            deferred, deferred_by = list(entries)[index:], "OutOfTime"
-            break
+        partial: list[dict[str, Any]] = []
         try:
             out[user_id] = _compose_user(
+                partial,
                 user_id,
                 mine,
                 lines_of_user[user_id],
@@ -438,13 +439,23 @@ def compose(
                 count=count,
                 whole=whole,
                 tokenizer=tokenizer,
+                deadline=deadline,
             )
             if built is not None:
-                built(user_id, out[user_id])
+                built(user_id, out[user_id], True)
+        except OutOfTime:
+            # This user waits for the next pass (what the model was paid for is kept); the
+            # others are built as long as they need no model call.
+            deferred.append(user_id)
+            deferred_by = OutOfTime.__name__
+            if built is not None and partial:
+                built(user_id, partial, False)
         except _NOT_ONE_USERS + interrupts as exc:
             # Not this user's doing: the rest wait for the next pass, and what was built
-            # (model calls paid for) is kept.
-            deferred, deferred_by = list(entries)[index:], type(exc).__name__
+            # (model calls paid for) is kept, this user's profiles built so far included.
+            deferred, deferred_by = [*deferred, *list(entries)[index:]], type(exc).__name__
+            if built is not None and partial:
+                built(user_id, partial, False)
             break
         except Exception as exc:
             # One user's rows must not cost the others their profiles, nor the model calls
@@ -455,6 +466,7 @@ def compose(
 
 
 def _compose_user(
+    out: list[dict[str, Any]],
     user_id: str,
     ranked: list[Entry],
     counts: list[int],
@@ -467,14 +479,15 @@ def _compose_user(
     count: TokenCount,
     whole: Whole | None,
     tokenizer: str,
+    deadline: float | None = None,
 ) -> list[dict[str, Any]]:
-    """The rows of one user's profiles (:func:`compose`)."""
+    """The rows of one user's profiles (:func:`compose`), appended to ``out`` as each is
+    built; :class:`OutOfTime` before a model call once ``deadline`` has passed."""
     # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
     print_ = read.prints[user_id]
     lines = [Line(entry.section, tokens, entry.text) for entry, tokens in zip(ranked, counts, strict=True)]
     seen = Visibility(ranked)
     line_json = _LineJson(lines)
-    out: list[dict[str, Any]] = []
     agents = [NO_AGENT, *seen.agents]
     if user_id in read.only:
         agents = [agent for agent in agents if agent in read.only[user_id]]
@@ -490,6 +503,8 @@ def _compose_user(
         built = build_lines(visible, budget, count, headers, by_lines=count.by_lines)
         writer_name = "deterministic"
         if writer is not None and by_model:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise OutOfTime("the time for model work is up")
             # Each line the model may write, and how many of the entries show it (two
             # entries can show one line: the same key and value, owned otherwise).
             allowed = Tally(line.text for line in visible)
@@ -508,7 +523,12 @@ def _failed(settings: Settings, user_id: str, exc: Exception) -> str:
     return error_type
 
 
-#: Errors that are not one user's: the database or the model's service went away.
+class OutOfTime(TransientError):
+    """No model call starts now: the pass's or the task's time for model work is up."""
+
+
+#: Errors that are not one user's: the database or the model's service went away, or
+#: the time for model work is up (:class:`OutOfTime`, ``worker.errors.Interrupted``).
 _NOT_ONE_USERS = (TransientError, DatabaseUnavailable, OperationalError)
 
 
@@ -633,6 +653,11 @@ def save(session: Session, composed: Composed, user_ids: Collection[str]) -> int
     return written + profile_store.replace_agent_profiles(session, pairs, rows)
 
 
+def mark_for_rebuild(session: Session, user_ids: Collection[str]) -> None:
+    """Have the users' profiles built again at their next dream, whatever their rows' fingerprint says."""
+    profile_store.mark_for_rebuild(session, user_ids)
+
+
 def refresh(
     session: Session, settings: Settings, user_ids: Collection[str], *, book: PolicyBook
 ) -> dict[str, list[int]]:
@@ -657,7 +682,7 @@ def rebuild(session: Session, settings: Settings, user_ids: Collection[str], *, 
     composed = compose(settings, read, book=book)
     save(session, composed, read.users)
     if writes_with_model(book):
-        profile_store.mark_for_rebuild(session, composed.users)
+        mark_for_rebuild(session, composed.users)
     return composed
 
 
@@ -772,7 +797,7 @@ def _row(
     else:
         layout = {**built.layout.to_json(), "writer": writer}
         if built.offered is not None:
-            layout["offered"] = list(built.offered)
+            layout["offered"] = [[section, text] for section, text in built.offered]
     return {
         "user_id": user_id,
         "agent_id": agent,

@@ -41,7 +41,7 @@ from store.memories import as_restored, restored_entries, table_for, user_entrie
 from store.summaries import NewEntry, replace_group
 from store.types import usd_to_nano
 from worker import metrics
-from worker.errors import BudgetExhausted, ContextWindowExceeded, TransientError
+from worker.errors import BudgetExhausted, ContextWindowExceeded, Interrupted, TransientError
 from worker.logs import get_logger, user_ref
 from worker.policy import PolicyBook
 from worker.settings import Settings
@@ -354,6 +354,8 @@ class _Pass:
         except llm.MalformedReply as exc:
             self._defer(f"unusable reply: {exc.reason}")
             return None
+        except Interrupted:
+            raise  # the task's time is up: no other group is summarized now
         except TransientError as exc:
             self._defer(str(exc), retry_soon=True)
             return None

@@ -572,13 +572,17 @@ def _pruned_once(settings: Settings, user: str) -> int:
     return outcome.run_id
 
 
-def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_settings: Settings) -> None:
-    # A dream soon after would summarize restored originals again, and pay for it: the
-    # restore rebuilds the profiles itself.
+def test_restore_rebuilds_the_profiles_at_once_and_leaves_the_user_to_a_free_dream(pg_settings: Settings) -> None:
+    # The restore rebuilds the profiles itself, and marks the user changed (keeping an
+    # earlier mark): the dream after the dirty delay puts nothing it restored away again,
+    # and rebuilds no profile.
     from sqlalchemy import select
 
+    from store import schedule
     from store.db import session_scope
     from store.models import Profile, UserState
+    from tasks.dream import dream_user
+    from tests.dream_seed import entries_of
 
     run_id = _pruned_once(pg_settings, "u-r")
 
@@ -587,14 +591,19 @@ def test_restore_rebuilds_the_profiles_at_once_and_schedules_no_dream(pg_setting
             return str(session.scalar(select(Profile.text).where(Profile.user_id == "u-r", Profile.agent_id == "")))
 
     assert "chess" not in profile_text()
+    with session_scope(pg_settings) as session:  # a change before the restore: its mark stays
+        schedule.mark_dirty(session, pg_settings, "u-r")
+        marked = session.scalar(select(UserState.dirty_since).where(UserState.user_id == "u-r"))
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
     result = run(["restore", "--run", str(run_id)], env=env)
     assert result.returncode == 0, result.stderr
     assert "restored 1 entries" in result.stdout and "1 profiles rebuilt" in result.stdout
     assert "- old hobby: chess" in profile_text()
     with session_scope(pg_settings) as session:
-        state = session.get(UserState, "u-r")
-        assert state is None or state.dirty_since is None
+        assert session.scalar(select(UserState.dirty_since).where(UserState.user_id == "u-r")) == marked
+    outcome = dream_user(pg_settings, "u-r")
+    assert (outcome.entries_pruned, outcome.entries_summarized, outcome.profiles_built) == (0, 0, 0)
+    assert "old_hobby" in {row["key"] for row in entries_of(pg_settings, "u-r").values()}
 
 
 def test_erase_user_waits_for_a_dream_under_way_and_says_so(pg_settings: Settings) -> None:

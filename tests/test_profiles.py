@@ -601,6 +601,123 @@ def test_a_pass_killed_amid_the_model_written_profiles_pays_for_none_of_them_twi
     assert _spent(settings, "u3") > 0 and _stored(settings, "u3")[""].layout["writer"] == "model"
 
 
+def _three_agents(user: str) -> list[dict[str, Any]]:
+    return [
+        entry(user, "home_city", "Lisbon", visibility="global", agent=None),
+        entry(user, "job_title", "Engineer", visibility="self", agent="writer"),
+        entry(user, "trip_destination", "Rome", visibility="self", agent="travel"),
+    ]
+
+
+def _model_calls() -> float:
+    return _sample("dream_llm_requests_total", model="offline", outcome="ok")
+
+
+@pytest.mark.parametrize("stop", ["deadline", "interrupted"])
+def test_a_user_stopped_between_two_model_written_profiles_keeps_the_paid_one(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, stop: str
+) -> None:
+    # The model writes u1's three profiles; the time for model work runs out after the
+    # first call (the chunk's budget, or the soft time limit in the second call). No call
+    # starts after that; the first profile, paid for, is kept, and the next pass asks
+    # the model for the two others only.
+    import time as real_time
+
+    from tasks.profile_writer import ProfileWriter
+    from worker.errors import Interrupted
+
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(settings, _three_agents("u1"))
+    shift = [0.0]
+    monkeypatch.setattr(profiles, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
+    write = ProfileWriter.__call__
+    made: list[str] = []
+
+    def one_call_then_stop(self: ProfileWriter, user_id: str, agent: str, *args: Any, **kwargs: Any) -> Any:
+        if made and stop == "interrupted":
+            raise Interrupted("interrupted in the call: SoftTimeLimitExceeded")
+        made.append(agent)
+        shift[0] += 3600.0
+        return write(self, user_id, agent, *args, **kwargs)
+
+    monkeypatch.setattr(ProfileWriter, "__call__", one_call_then_stop)
+    before = _model_calls()
+    [outcome] = dream_users(settings, ["u1"], budget_seconds=600)
+    assert _model_calls() == before + 1 and made == [""]
+    assert outcome.status == "succeeded" and outcome.profiles_built == 0
+    assert set(_stored(settings, "u1")) == {""} and _stored(settings, "u1")[""].layout["writer"] == "model"
+    assert _dirty(settings, ["u1"]) == {"u1"}
+    monkeypatch.setattr(ProfileWriter, "__call__", write)
+    before = _model_calls()
+    assert dream_users(settings, ["u1"])[0].profiles_built == 3
+    assert _model_calls() == before + 2
+    assert {row.layout["writer"] for row in _stored(settings, "u1").values()} == {"model"}
+
+
+def test_the_soft_time_limit_in_a_single_users_profile_call_leaves_the_user_to_the_next_pass(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # dream.run_user's path: the limit in the model's call is not a failed build (no
+    # failure counted), and the user is dreamed again soon, not at the next slot.
+    from tasks.dream import dream_user
+    from worker import llm as gateway
+    from worker.errors import Interrupted
+
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(settings, _about("u1"))
+
+    def interrupted(*_: Any, **__: Any) -> Any:
+        raise Interrupted("interrupted in the call: SoftTimeLimitExceeded")
+
+    monkeypatch.setattr(gateway, "complete", interrupted)
+    failures = _sample("dream_profile_build_failures_total")
+    outcome = dream_user(settings, "u1")
+    assert outcome.status == "succeeded" and outcome.profiles_built == 0
+    assert _sample("dream_profile_build_failures_total") == failures
+    assert _dirty(settings, ["u1"]) == {"u1"}
+
+
+def test_a_deadline_passed_leaves_users_who_need_no_model_call_to_be_built(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the writer agent's profiles are the model's: once the time for model work is
+    # up, u2's deterministic profiles are built all the same.
+    import time as real_time
+
+    settings = pg_settings
+    with session_scope(settings) as session:
+        from store import policies as policy_store
+
+        policy_store.merge_config(session, "writer", {"profileWriter": "model"})
+    seed(settings, [entry("u1", "job_title", "Engineer", visibility="self", agent="writer"), *_about("u2")])
+    monkeypatch.setattr(profiles, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + 10**6))
+    outcomes = {o.user_id: o for o in dream_users(settings, ["u1", "u2"], budget_seconds=600)}
+    assert outcomes["u2"].profiles_built == 1 and outcomes["u1"].profiles_built == 0
+    assert _dirty(settings, ["u1", "u2"]) == {"u1"}
+
+
+def test_an_entry_moved_to_another_section_asks_the_model_again(pg_settings: Settings) -> None:
+    # The same line under another heading (its category changed) is not what the model
+    # wrote the profile from: it is asked again, not kept as it was.
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(
+        settings,
+        [
+            entry("u1", "coffee", "black, no sugar", category="fact", visibility="global", agent=None),
+            entry("u1", "home_city", "Lisbon", visibility="global", agent=None),
+        ],
+    )
+    dream_users(settings, ["u1"])
+    assert "## Preferences" not in _stored(settings, "u1")[""].text
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        session.execute(update(table).where(table.c.key == "coffee").values(category="preference"))
+    before = _model_calls()
+    dream_users(settings, ["u1"])
+    assert _model_calls() == before + 1
+    assert "## Preferences\n- coffee: black, no sugar\n" in _stored(settings, "u1")[""].text
+
+
 def test_the_soft_time_limit_in_a_profile_call_stops_the_chunks_model_work(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

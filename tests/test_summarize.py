@@ -280,3 +280,29 @@ def test_an_application_edit_landing_as_the_summary_is_written_is_never_removed_
     else:
         assert removed_values == []
         assert "edited by the application" in {str(r["value"]) for r in entries_of(store_settings, "u1").values()}
+
+
+def test_the_soft_time_limit_in_a_summary_call_ends_the_run_and_leaves_the_rest_to_the_next_pass(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # dream.run_user's path: the limit fires in the model's call. The run stops there
+    # (no other group, no profile call), says so, and the user is dreamed again soon.
+    from store.models import UserState
+    from worker import llm
+    from worker.errors import Interrupted
+
+    trips = [entry("u1", f"trip_{i}", f"trip {i}", category="fact") for i in range(6)]
+    originals = seed(pg_settings, [*_six(), *trips])
+    calls: list[str] = []
+
+    def interrupted(*_: Any, purpose: str, **__: Any) -> Any:
+        calls.append(purpose)
+        raise Interrupted("interrupted in the call: SoftTimeLimitExceeded")
+
+    monkeypatch.setattr(llm, "complete", interrupted)
+    outcome = dream_user(pg_settings, "u1")
+    assert outcome.status == "failed" and outcome.error is not None and "Interrupted" in outcome.error
+    assert calls == ["summarize"]  # one call: the second group was not tried
+    assert set(entries_of(pg_settings, "u1")) == {o["id"] for o in originals}
+    with session_scope(pg_settings) as session:
+        assert session.scalar(select(UserState.dirty_since).where(UserState.user_id == "u1")) is not None

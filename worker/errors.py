@@ -81,6 +81,11 @@ class PermanentError(ReverieError):
     """Not worth retrying: bad credentials, an unknown or unpriced model."""
 
 
+class Interrupted(TransientError):
+    """The task's soft time limit fired during a model call: the work stops here (no
+    other call starts), and what is left waits for the next pass."""
+
+
 class StoredValueUnreadable(ReverieError):
     """A JSON value in the database that Reverie cannot read: text that is not JSON
     (SQLite does not check a ``JSON`` column), or a value nested deeper than Python

@@ -52,7 +52,7 @@ from typing import Any
 
 from store.types import NANO
 from worker import budget, metrics, token_margin
-from worker.errors import ContextWindowExceeded, PermanentError, ReverieError, TransientError
+from worker.errors import ContextWindowExceeded, Interrupted, PermanentError, TransientError
 from worker.logs import get_logger
 from worker.settings import Settings
 
@@ -571,9 +571,7 @@ def complete(
         failure = _failed_call(litellm, settings, exc, reservation, purpose=purpose, label=label)
         if failure is exc:
             raise
-        if isinstance(failure, ReverieError):
-            raise failure from exc
-        raise failure from None  # the interruption litellm wrapped, itself: its chain is litellm's wrapping
+        raise failure from exc
 
     text = _reply_text(response)
     usage = getattr(response, "usage", None)
@@ -615,7 +613,7 @@ def complete(
 
 def _failed_call(
     litellm: Any, settings: Settings, exc: Exception, reservation: budget.Reservation, *, purpose: str, label: str
-) -> BaseException:
+) -> Exception:
     """Settle, count and log a call that raised; returns what :func:`complete` raises."""
     kind = classify(exc)
     interrupt = _interrupt_in(exc)
@@ -638,8 +636,9 @@ def _failed_call(
         recorded_nano=recorded_nano,
     )
     if interrupt is not None:
-        # The task's time is up: its caller stops, as when the limit fires outside a call.
-        return interrupt
+        # The task's time is up: the caller stops starting calls (a transient error to
+        # any caller that does not tell it apart: the work is tried again later).
+        return Interrupted(f"interrupted in the call: {type(interrupt).__name__}")
     if isinstance(exc, litellm.exceptions.ContextWindowExceededError):
         return ContextWindowExceeded(f"{type(exc).__name__}: {_first_line(exc)}")
     if kind is None:

@@ -182,14 +182,11 @@ def restore(
         else:
             assert signal_id is not None
             result = restore_signal(session, table_for(settings), signal_id)
-        # Marked changed with the restore itself: if this process dies before the profiles
-        # below are rebuilt, a dream after the dirty delay rebuilds them.
-        marked_at = db_now(session)
-        schedule.mark_dirty_known(session, result.users, marked_at)
+        # Marked changed with the restore itself: a dream after the dirty delay looks at
+        # them again (it summarizes nothing a restore put back), and rebuilds the
+        # profiles if this process dies before they are rebuilt below.
+        schedule.mark_changed_known(session, result.users, db_now(session))
     rebuilt, left = _rebuild_profiles(settings, result.users)
-    with session_scope(settings) as session:
-        # Rebuilt: no dream is needed for them (a mark made since stays).
-        schedule.clear_mark(session, [u for u in result.users if u not in left], marked_at)
     what = f"run {run_id}" if run_id is not None else f"signal {signal_id}"
     print(
         f"{what}: restored {result.restored} entries, took out {result.removed_inserts} it wrote"
@@ -205,9 +202,8 @@ def restore(
 
 
 def _rebuild_profiles(settings: Settings, users: Sequence[str]) -> tuple[int, list[str]]:
-    """The profiles of users a restore changed, rebuilt now rather than by a dream (one
-    soon would also summarize restored originals again, and pay for it): how many, and
-    the users a dream holds now (marked for the next one)."""
+    """The profiles of users a restore changed, rebuilt now rather than at their next
+    dream: how many, and the users a dream holds now (marked for the next one)."""
     from tasks.dream import rebuild_profiles
 
     return rebuild_profiles(settings, users)
