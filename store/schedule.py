@@ -84,15 +84,6 @@ def mark_dirty_known(session: Session, user_ids: Sequence[str], at: datetime) ->
         session.execute(update(UserState).where(UserState.user_id.in_(users)).values(dirty_since=at))
 
 
-def mark_changed_known(session: Session, user_ids: Sequence[str], at: datetime) -> None:
-    """Mark users changed at ``at`` where they have a schedule row and no mark yet (an
-    earlier mark stays: the dirty delay counts from the first change)."""
-    users = sorted(set(user_ids))
-    if users:
-        unmarked = UserState.user_id.in_(users), UserState.dirty_since.is_(None)
-        session.execute(update(UserState).where(*unmarked).values(dirty_since=at))
-
-
 def due_user_ids(session: Session, at: datetime, limit: int, settings: Settings | None = None) -> list[str]:
     """Up to ``limit`` user ids due at ``at``, in a stable order.
 

@@ -394,15 +394,14 @@ def _build_profiles(
         keep_paid = None
         if profiles.writes_with_model(policies):
             run_ids = {u: o.run_id for u, o in outcomes.items()}
-            writer = ProfileWriter(settings, run_ids, profiles.counter(settings))
-            keep_paid = _keeping_paid(settings, keeper, writer, read.only)
+            writer = ProfileWriter(settings, run_ids, profiles.counter(settings), deadline=limits.deadline)
+            keep_paid = _keeping_paid(settings, keeper, writer)
         composed = profiles.compose(
             settings,
             read,
             book=policies,
             writer=writer,
             interrupts=limits.interrupts,
-            deadline=limits.deadline,
             built=keep_paid,
         )
     except (TransientError, DatabaseUnavailable):
@@ -433,26 +432,23 @@ def _build_profiles(
 
 
 def _keeping_paid(
-    settings: Settings, keeper: LeaseKeeper, writer: ProfileWriter, only: dict[str, set[str]]
-) -> Callable[[str, list[dict[str, Any]], bool], None]:
+    settings: Settings, keeper: LeaseKeeper, writer: ProfileWriter
+) -> Callable[[str, list[dict[str, Any]]], None]:
     """What keeps, as soon as they are built, the profiles of a user the model was paid
     to write: written in a transaction of their own that re-takes the user's lease last
     (a user lost to an erasure gets nothing), so a pass that dies before its runs close
     does not pay for them again. The transaction that closes the runs writes them again,
-    the same rows. A failure here only leaves them to that one. The profiles of a user
-    whose build stopped midway (not ``whole``) are kept alone, and the user's profiles
-    marked for the next pass, where the model, offered the same lines, is not asked again."""
+    the same rows (a failure here only leaves them to that one)."""
 
-    def keep(user_id: str, rows: list[dict[str, Any]], whole: bool) -> None:
+    def keep(user_id: str, rows: list[dict[str, Any]]) -> None:
         if user_id not in writer.paid:
             return
-        agents = only.get(user_id) if whole else {row["agent_id"] for row in rows}
-        mine = profiles.Composed({user_id: rows}, {user_id: agents} if agents is not None else {})
+        # A user whose build stopped midway: those agents' rows only (tasks.profiles._keep_partial).
+        stopped = any(row["source_rows"] == -1 for row in rows)
+        only = {user_id: {row["agent_id"] for row in rows}} if stopped else {}
         try:
             with session_scope(settings) as session:
-                profiles.save(session, mine, [user_id])
-                if not whole:
-                    profiles.mark_for_rebuild(session, [user_id])
+                profiles.save(session, profiles.Composed({user_id: rows}, only), [user_id])
                 if not keeper.hold_many(session, [user_id]):
                     session.rollback()
         except Exception as exc:
@@ -476,11 +472,18 @@ def _build_one_by_one(
     """:func:`_build_profiles` for each user alone (after the chunk's build failed)."""
     rows: dict[str, list[dict[str, Any]]] = {}
     only: dict[str, set[str]] = {}
-    for user_id, outcome in outcomes.items():
-        mine = _build_profiles(settings, {user_id: outcome}, policies, keeper, limits)
+    users = list(outcomes)
+    for index, user_id in enumerate(users):
+        mine = _build_profiles(settings, {user_id: outcomes[user_id]}, policies, keeper, limits)
         if mine is not None:
             rows.update(mine.rows)
             only.update(mine.only)
+            if mine.deferred and mine.deferred_by != profiles.OutOfTime.__name__:
+                # Interrupted (the task's time is up), or the database or the model's service
+                # went away: no other user's build starts now; they wait for the next pass.
+                for rest in users[index + 1 :]:
+                    outcomes[rest].retry_soon = True
+                break
     return profiles.Composed(rows, only) if rows else None
 
 

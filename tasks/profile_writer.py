@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from store.profiles import Current
-from tasks.profiles import Built
+from tasks.profiles import Built, OutOfTime
 from worker import metrics
 from worker import profile_text as fmt
 from worker.errors import BudgetExhausted, Interrupted, PermanentError, TransientError
@@ -153,8 +154,17 @@ class ProfileWriter:
     """The model's side of one refresh (see the module docstring); ``run_ids`` maps
     each user to the dream run that pays for their calls."""
 
-    def __init__(self, settings: Settings, run_ids: Mapping[str, int | None], count: Callable[[str], int]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        run_ids: Mapping[str, int | None],
+        count: Callable[[str], int],
+        *,
+        deadline: float | None = None,
+    ) -> None:
         self.settings, self.run_ids, self.count = settings, run_ids, count
+        #: ``time.monotonic()`` after which no call starts (:class:`OutOfTime`).
+        self.deadline = deadline
         #: Users for whom a call was made (paid for, whatever became of its answer).
         self.paid: set[str] = set()
 
@@ -183,6 +193,8 @@ class ProfileWriter:
             built.budget, current_text, list(built.layout.lines), changed=changed, removed=removed, left_out=left_out
         )
         ceiling = built.budget + OUTPUT_SLACK_TOKENS + OUTPUT_TOKENS_PER_LINE * len(built.layout.lines)
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise OutOfTime("the time for model work is up")
         self.paid.add(user_id)  # from here on the call may be billed, whatever it answers
         try:
             reply = llm.complete(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import Counter as Tally
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -388,8 +387,7 @@ def compose(
     book: PolicyBook,
     writer: Writer | None = None,
     interrupts: tuple[type[BaseException], ...] = (),
-    deadline: float | None = None,
-    built: Callable[[str, list[dict[str, Any]], bool], None] | None = None,
+    built: Callable[[str, list[dict[str, Any]]], None] | None = None,
 ) -> Composed:
     """Build the profiles of the users ``read`` found changed, outside any transaction.
 
@@ -398,11 +396,13 @@ def compose(
     write it and ``writer`` is given, the writer's profile replaces the deterministic
     one; the deterministic one stays when the writer returns None. ``interrupts`` (the
     task's soft time limit), like the database or the model's service going away, stop
-    the build: what was built is kept, and the users left are :attr:`Composed.deferred`;
-    so does ``deadline`` (``time.monotonic()``: the time for model work is up) before the
-    next call the writer would make. ``built(user, rows, whole)`` is called as each user's
-    profiles are built (``whole``), and with the profiles of the stopped user built
-    before the stop (not ``whole``), to keep what the model was paid for at once."""
+    the build: what was built is kept, and the users left are :attr:`Composed.deferred`.
+    A writer that may make no more calls (:class:`OutOfTime`) defers that user alone:
+    the others are built as long as they need no call. A user stopped midway keeps the
+    profiles built before the stop (those the model was paid for), replacing only those
+    agents' and marked to be built again at the next pass. ``built(user, rows)`` is
+    called with each user's rows as they are built (to keep what the model was paid for
+    at once)."""
     count = counter(settings)
     budget = budget_for(settings)
     tokenizer = llm.model_name(settings)
@@ -423,6 +423,7 @@ def compose(
     whole = Whole(budget, headers) if count.by_lines else None
     deferred: list[str] = []
     deferred_by = ""
+    stopped: dict[str, set[str]] = {}
     for index, (user_id, mine) in enumerate(entries.items()):
         partial: list[dict[str, Any]] = []
         try:
@@ -439,30 +440,46 @@ def compose(
                 count=count,
                 whole=whole,
                 tokenizer=tokenizer,
-                deadline=deadline,
             )
             if built is not None:
-                built(user_id, out[user_id], True)
+                built(user_id, out[user_id])
         except OutOfTime:
             # This user waits for the next pass (what the model was paid for is kept); the
             # others are built as long as they need no model call.
             deferred.append(user_id)
             deferred_by = OutOfTime.__name__
-            if built is not None and partial:
-                built(user_id, partial, False)
+            _keep_partial(user_id, partial, out, stopped, built)
         except _NOT_ONE_USERS + interrupts as exc:
             # Not this user's doing: the rest wait for the next pass, and what was built
             # (model calls paid for) is kept, this user's profiles built so far included.
             deferred, deferred_by = [*deferred, *list(entries)[index:]], type(exc).__name__
-            if built is not None and partial:
-                built(user_id, partial, False)
+            _keep_partial(user_id, partial, out, stopped, built)
             break
         except Exception as exc:
             # One user's rows must not cost the others their profiles, nor the model calls
             # already made for them (a chunk built again user by user would make them twice).
             failed[user_id] = _failed(settings, user_id, exc)
-    only = {u: agents for u, agents in read.only.items() if u in out}
+    only = {u: agents for u, agents in read.only.items() if u in out} | stopped
     return Composed(out, only, failed, deferred, deferred_by)
+
+
+def _keep_partial(
+    user_id: str,
+    rows: list[dict[str, Any]],
+    out: dict[str, list[dict[str, Any]]],
+    stopped: dict[str, set[str]],
+    built: Callable[[str, list[dict[str, Any]]], None] | None,
+) -> None:
+    """Keep the profiles of a user built before their build stopped: written for those
+    agents only, with a fingerprint no rows have, so the next pass builds the user again
+    (where the model, offered the same lines, is not asked again)."""
+    if not rows:
+        return
+    marked = [{**row, "source_rows": -1} for row in rows]
+    out[user_id] = marked
+    stopped[user_id] = {row["agent_id"] for row in marked}
+    if built is not None:
+        built(user_id, marked)
 
 
 def _compose_user(
@@ -479,10 +496,8 @@ def _compose_user(
     count: TokenCount,
     whole: Whole | None,
     tokenizer: str,
-    deadline: float | None = None,
 ) -> list[dict[str, Any]]:
-    """The rows of one user's profiles (:func:`compose`), appended to ``out`` as each is
-    built; :class:`OutOfTime` before a model call once ``deadline`` has passed."""
+    """The rows of one user's profiles (:func:`compose`), appended to ``out`` as each is built."""
     # The fingerprint of exactly the rows read, so a change landing meanwhile shows next time.
     print_ = read.prints[user_id]
     lines = [Line(entry.section, tokens, entry.text) for entry, tokens in zip(ranked, counts, strict=True)]
@@ -503,8 +518,6 @@ def _compose_user(
         built = build_lines(visible, budget, count, headers, by_lines=count.by_lines)
         writer_name = "deterministic"
         if writer is not None and by_model:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise OutOfTime("the time for model work is up")
             # Each line the model may write, and how many of the entries show it (two
             # entries can show one line: the same key and value, owned otherwise).
             allowed = Tally(line.text for line in visible)
@@ -524,7 +537,8 @@ def _failed(settings: Settings, user_id: str, exc: Exception) -> str:
 
 
 class OutOfTime(TransientError):
-    """No model call starts now: the pass's or the task's time for model work is up."""
+    """Raised by a writer that would make a call: the pass's or the chunk's time for
+    model work is up, so none starts now."""
 
 
 #: Errors that are not one user's: the database or the model's service went away, or

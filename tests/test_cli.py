@@ -8,6 +8,7 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -673,6 +674,48 @@ def test_a_restore_that_dies_before_its_profile_rebuild_leaves_the_user_to_a_dre
         assert session.scalar(select(UserState.dirty_since).where(UserState.user_id == "u-k")) is not None
         later = db_now(session) + timedelta(seconds=pg_settings.dispatch_dirty_delay_seconds + 1)
         assert "u-k" in schedule.due_user_ids(session, later, 10, pg_settings)
+
+
+def test_a_restore_during_a_dream_leaves_the_user_marked_after_that_dream_ends(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A dream holds the user (started after an earlier change), the restore commits, and
+    # the dream ends before the restore rebuilds the profiles: the user stays marked, for
+    # the dream may have read the rows before the restore.
+    from sqlalchemy import select
+    from typer.testing import CliRunner
+
+    from store import locks, schedule
+    from store.db import session_scope
+    from store.models import UserState
+    from store.types import db_now
+    from worker.cli import app, dream_cmds
+    from worker.settings import get_settings
+
+    run_id = _pruned_once(pg_settings, "u-d")
+    with session_scope(pg_settings) as session:
+        schedule.mark_dirty(session, pg_settings, "u-d")  # an earlier change
+    with session_scope(pg_settings) as session:
+        dream_started = db_now(session)
+        assert locks.acquire(session, "u-d", "a-dream", timedelta(minutes=10))
+    rebuild = dream_cmds._rebuild_profiles
+
+    def the_dream_ends_first(settings: Settings, users: Any) -> Any:
+        with session_scope(pg_settings) as session:
+            schedule.mark_dreamed_many(session, {"u-d": dream_started + timedelta(days=1)}, dream_started)
+            locks.release(session, "u-d", "a-dream")
+        return rebuild(settings, users)
+
+    monkeypatch.setattr(dream_cmds, "_rebuild_profiles", the_dream_ends_first)
+    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, ["restore", "--run", str(run_id)])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 0, result.output
+    with session_scope(pg_settings) as session:
+        assert session.scalar(select(UserState.dirty_since).where(UserState.user_id == "u-d")) is not None
 
 
 def test_a_restore_leaves_model_written_profiles_to_the_model_at_the_next_dream(pg_settings: Settings) -> None:

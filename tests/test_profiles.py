@@ -26,7 +26,7 @@ from store.erase import rows_about
 from store.memories import table_for
 from store.models import Profile
 from store.types import now
-from tasks import profiles
+from tasks import profile_writer, profiles
 from tasks.dream import dream_users
 from tasks.erase import erase_user
 from tests.dream_seed import entry, seed
@@ -543,12 +543,14 @@ def test_no_profile_call_starts_once_the_chunks_time_for_model_work_is_up(
     seed(settings, [row for user in ("u1", "u2", "u3") for row in _about(user)])
     SCRIPTED_REPLY["text"] = json.dumps({"unchanged": True})
     shift = [0.0]
-    monkeypatch.setattr(profiles, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
+    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
     write = ProfileWriter.__call__
 
     def slow(self: ProfileWriter, *args: Any, **kwargs: Any) -> Any:
-        shift[0] += 3600.0
-        return write(self, *args, **kwargs)
+        try:
+            return write(self, *args, **kwargs)
+        finally:
+            shift[0] += 3600.0  # the call took an hour
 
     monkeypatch.setattr(ProfileWriter, "__call__", slow)
     outcomes = dream_users(settings, ["u1", "u2", "u3"], budget_seconds=600)
@@ -629,22 +631,24 @@ def test_a_user_stopped_between_two_model_written_profiles_keeps_the_paid_one(
     settings = pg_settings.model_copy(update={"profile_writer": "model"})
     seed(settings, _three_agents("u1"))
     shift = [0.0]
-    monkeypatch.setattr(profiles, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
+    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
     write = ProfileWriter.__call__
     made: list[str] = []
 
     def one_call_then_stop(self: ProfileWriter, user_id: str, agent: str, *args: Any, **kwargs: Any) -> Any:
         if made and stop == "interrupted":
             raise Interrupted("interrupted in the call: SoftTimeLimitExceeded")
+        written = write(self, user_id, agent, *args, **kwargs)  # OutOfTime once the time is up
         made.append(agent)
-        shift[0] += 3600.0
-        return write(self, user_id, agent, *args, **kwargs)
+        shift[0] += 3600.0  # the call took an hour
+        return written
 
     monkeypatch.setattr(ProfileWriter, "__call__", one_call_then_stop)
     before = _model_calls()
     [outcome] = dream_users(settings, ["u1"], budget_seconds=600)
     assert _model_calls() == before + 1 and made == [""]
-    assert outcome.status == "succeeded" and outcome.profiles_built == 0
+    # The paid profile is written (the closing transaction too writes it), the others wait.
+    assert outcome.status == "succeeded" and outcome.profiles_built == 1
     assert set(_stored(settings, "u1")) == {""} and _stored(settings, "u1")[""].layout["writer"] == "model"
     assert _dirty(settings, ["u1"]) == {"u1"}
     monkeypatch.setattr(ProfileWriter, "__call__", write)
@@ -677,6 +681,100 @@ def test_the_soft_time_limit_in_a_single_users_profile_call_leaves_the_user_to_t
     assert _dirty(settings, ["u1"]) == {"u1"}
 
 
+def test_a_deadline_passed_still_rebuilds_a_model_profile_that_needs_no_call(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A recall changes u1's fingerprint, not the lines the model would be offered: its
+    # model-written profiles are kept without a call, so the time being up defers nothing.
+    import time as real_time
+
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(settings, _three_agents("u1"))
+    dream_users(settings, ["u1"])
+    table = table_for(settings)
+    with session_scope(settings) as session:
+        session.execute(update(table).where(table.c.key == "job_title").values(access_count=5))
+    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + 10**6))
+    before = _model_calls()
+    [outcome] = dream_users(settings, ["u1"], budget_seconds=600)
+    assert _model_calls() == before and outcome.profiles_built == 3 and not outcome.retry_soon
+    assert _dirty(settings, ["u1"]) == set()
+
+
+def test_a_paid_profile_is_written_by_the_runs_closing_even_where_keeping_it_at_once_failed(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The time runs out after u1's first model-written profile, and writing that profile
+    # at once fails (a lock timeout): the transaction that closes the runs writes it, so
+    # the next pass asks the model for the two others only.
+    import time as real_time
+
+    from sqlalchemy.exc import OperationalError
+
+    from tasks.profile_writer import ProfileWriter
+
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(settings, _three_agents("u1"))
+    shift = [0.0]
+    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
+    write = ProfileWriter.__call__
+
+    def an_hour_each(self: ProfileWriter, *args: Any, **kwargs: Any) -> Any:
+        written = write(self, *args, **kwargs)
+        shift[0] += 3600.0
+        return written
+
+    monkeypatch.setattr(ProfileWriter, "__call__", an_hour_each)
+    save = profiles.save
+    calls = [0]
+
+    def first_save_fails(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise OperationalError("INSERT", {}, Exception("lock timeout"))
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(profiles, "save", first_save_fails)
+    before = _model_calls()
+    dream_users(settings, ["u1"], budget_seconds=600)
+    assert _model_calls() == before + 1 and calls[0] >= 2
+    assert _stored(settings, "u1")[""].layout["writer"] == "model"
+    monkeypatch.setattr(ProfileWriter, "__call__", write)
+    before = _model_calls()
+    dream_users(settings, ["u1"])
+    assert _model_calls() == before + 2
+
+
+def test_the_soft_time_limit_stops_the_user_by_user_build_too(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The chunk's read failed (a value no code foresaw), so the profiles are built user by
+    # user; the soft time limit fires in u1's call: no call starts for u2.
+    from worker import llm as gateway
+    from worker.errors import Interrupted
+
+    settings = pg_settings.model_copy(update={"profile_writer": "model"})
+    seed(settings, [*_three_agents("u1"), *_three_agents("u2")])
+    plan = profiles.plan
+
+    def chunk_read_fails(session: Any, settings_: Any, user_ids: Any, **kwargs: Any) -> Any:
+        if len(user_ids) > 1:
+            raise ValueError("a value no code foresaw")
+        return plan(session, settings_, user_ids, **kwargs)
+
+    calls: list[str] = []
+
+    def interrupted(*_: Any, **__: Any) -> Any:
+        calls.append("call")
+        raise Interrupted("interrupted in the call: SoftTimeLimitExceeded")
+
+    monkeypatch.setattr(profiles, "plan", chunk_read_fails)
+    monkeypatch.setattr(gateway, "complete", interrupted)
+    dream_users(settings, ["u1", "u2"])
+    assert calls == ["call"]
+    assert _dirty(settings, ["u1", "u2"]) == {"u1", "u2"}
+
+
 def test_a_deadline_passed_leaves_users_who_need_no_model_call_to_be_built(
     pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -690,9 +788,9 @@ def test_a_deadline_passed_leaves_users_who_need_no_model_call_to_be_built(
 
         policy_store.merge_config(session, "writer", {"profileWriter": "model"})
     seed(settings, [entry("u1", "job_title", "Engineer", visibility="self", agent="writer"), *_about("u2")])
-    monkeypatch.setattr(profiles, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + 10**6))
+    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + 10**6))
     outcomes = {o.user_id: o for o in dream_users(settings, ["u1", "u2"], budget_seconds=600)}
-    assert outcomes["u2"].profiles_built == 1 and outcomes["u1"].profiles_built == 0
+    assert outcomes["u2"].profiles_built == 1 and "writer" not in _stored(settings, "u1")
     assert _dirty(settings, ["u1", "u2"]) == {"u1"}
 
 

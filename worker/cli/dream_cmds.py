@@ -171,7 +171,6 @@ def restore(
     from store.archive import restore_run, restore_signal
     from store.db import session_scope
     from store.memories import table_for
-    from store.types import db_now
 
     if (run_id is None) == (signal_id is None):
         fail("give exactly one of --run and --signal", code=2)
@@ -185,7 +184,9 @@ def restore(
         # Marked changed with the restore itself: a dream after the dirty delay looks at
         # them again (it summarizes nothing a restore put back), and rebuilds the
         # profiles if this process dies before they are rebuilt below.
-        schedule.mark_changed_known(session, result.users, db_now(session))
+        # (A run that holds a user now may have read their rows before: the mark is
+        # then moved past its start, so its end leaves it.)
+        schedule.mark_dirty_many(session, settings, result.users)
     rebuilt, left = _rebuild_profiles(settings, result.users)
     what = f"run {run_id}" if run_id is not None else f"signal {signal_id}"
     print(
