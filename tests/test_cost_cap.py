@@ -11,11 +11,10 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from prometheus_client import REGISTRY
@@ -441,13 +440,16 @@ def test_erasure_removes_the_users_own_budget_lines(pg_settings: Settings) -> No
     assert users == {budget.user_day_key("bob")}
 
 
-class _SlowEndpoint(BaseHTTPRequestHandler):
-    """An OpenAI-compatible endpoint on loopback that takes its time to answer."""
+class _BusyEndpoint(BaseHTTPRequestHandler):
+    """An OpenAI-compatible endpoint on loopback that answers 503, and counts requests."""
+
+    requests: ClassVar[int] = 0
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
-        time.sleep(3)
+        type(self).requests += 1
         self.send_response(503)
+        self.send_header("Content-Length", "0")
         self.end_headers()
 
     def log_message(self, *args: Any) -> None:
@@ -459,34 +461,37 @@ def test_the_soft_time_limit_in_an_openai_call_stops_the_caller_and_is_recorded_
 ) -> None:
     """litellm's ``openai/`` provider wraps an interruption in the call as a server error
     (``InternalServerError``), which alone would read as a refusal the provider billed
-    nothing for, and as a transient error the caller goes on after."""
+    nothing for, and as a transient error the caller goes on after. The soft limit fires
+    once the request has reached the server, before its answer is read (raised by the
+    HTTP transport itself, where a signal would land: deterministic, unlike a timer)."""
+    import httpx
     from celery.exceptions import SoftTimeLimitExceeded
 
     monkeypatch.setenv("OPENAI_API_KEY", "not-needed-on-loopback")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowEndpoint)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BusyEndpoint)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    send = httpx.HTTPTransport.handle_request
+
+    def sent_then_interrupted(self: httpx.HTTPTransport, request: httpx.Request) -> httpx.Response:
+        send(self, request).close()
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(httpx.HTTPTransport, "handle_request", sent_then_interrupted)
     settings = pg_settings.model_copy(
         update={
-            "llm_model": "openai/slow-model",
+            "llm_model": "openai/busy-model",
             "llm_api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
             "llm_input_cost_per_token": 1e-6,
             "llm_output_cost_per_token": 2e-6,
-            "llm_timeout_seconds": 20,
         }
     )
     reservation = llm.reservation_floor_nano(settings, LONG_PROMPT, 40)
-
-    def soft_limit(*_: Any) -> None:
-        raise SoftTimeLimitExceeded()
-
-    previous = signal.signal(signal.SIGALRM, soft_limit)
-    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    _BusyEndpoint.requests = 0
     try:
         with pytest.raises(Interrupted):
             llm.complete(settings, purpose="summarize", messages=LONG_PROMPT, max_tokens=40)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         server.shutdown()
         server.server_close()
+    assert _BusyEndpoint.requests == 1
     assert budget.day_spent_nano(settings) == reservation and _reserved_total(settings) == 0
