@@ -556,6 +556,21 @@ def test_on_sqlite_the_last_access_column_is_found_whatever_its_case(sqlite_sett
         check_memory_table(sqlite_settings.model_copy(update={"memory_last_access_column": "lastaccess"}))
 
 
+def _invoke(monkeypatch: pytest.MonkeyPatch, settings: Settings, args: list[str]) -> Any:
+    """``reverie ARGS`` in this process, on ``settings``' database (its settings read afresh)."""
+    from typer.testing import CliRunner
+
+    from worker.cli import app
+    from worker.settings import get_settings
+
+    monkeypatch.setenv("REVERIE_DATABASE_URL", settings.database_url)
+    get_settings.cache_clear()
+    try:
+        return CliRunner().invoke(app, args)
+    finally:
+        get_settings.cache_clear()
+
+
 def _pruned_once(settings: Settings, user: str) -> int:
     """A user with a stale global entry and a fresh one, dreamed once: the run that pruned it."""
     from tasks.dream import dream_user
@@ -648,14 +663,12 @@ def test_a_restore_that_dies_before_its_profile_rebuild_leaves_the_user_to_a_dre
     # changed by the restore itself, so a dream after the dirty delay rebuilds them (not
     # the scheduled one, a day away).
     from sqlalchemy import select
-    from typer.testing import CliRunner
 
     from store import schedule
     from store.db import session_scope
     from store.models import UserState
     from store.types import db_now
-    from worker.cli import app, dream_cmds
-    from worker.settings import get_settings
+    from worker.cli import dream_cmds
 
     run_id = _pruned_once(pg_settings, "u-k")
 
@@ -663,12 +676,7 @@ def test_a_restore_that_dies_before_its_profile_rebuild_leaves_the_user_to_a_dre
         raise SystemExit(137)
 
     monkeypatch.setattr(dream_cmds, "_rebuild_profiles", killed)
-    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(app, ["restore", "--run", str(run_id)])
-    finally:
-        get_settings.cache_clear()
+    result = _invoke(monkeypatch, pg_settings, ["restore", "--run", str(run_id)])
     assert result.exit_code == 137
     with session_scope(pg_settings) as session:
         assert session.scalar(select(UserState.dirty_since).where(UserState.user_id == "u-k")) is not None
@@ -683,14 +691,12 @@ def test_a_restore_during_a_dream_leaves_the_user_marked_after_that_dream_ends(
     # the dream ends before the restore rebuilds the profiles: the user stays marked, for
     # the dream may have read the rows before the restore.
     from sqlalchemy import select
-    from typer.testing import CliRunner
 
     from store import locks, schedule
     from store.db import session_scope
     from store.models import UserState
     from store.types import db_now
-    from worker.cli import app, dream_cmds
-    from worker.settings import get_settings
+    from worker.cli import dream_cmds
 
     run_id = _pruned_once(pg_settings, "u-d")
     with session_scope(pg_settings) as session:
@@ -707,12 +713,7 @@ def test_a_restore_during_a_dream_leaves_the_user_marked_after_that_dream_ends(
         return rebuild(settings, users)
 
     monkeypatch.setattr(dream_cmds, "_rebuild_profiles", the_dream_ends_first)
-    monkeypatch.setenv("REVERIE_DATABASE_URL", pg_settings.database_url)
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(app, ["restore", "--run", str(run_id)])
-    finally:
-        get_settings.cache_clear()
+    result = _invoke(monkeypatch, pg_settings, ["restore", "--run", str(run_id)])
     assert result.exit_code == 0, result.output
     with session_scope(pg_settings) as session:
         assert session.scalar(select(UserState.dirty_since).where(UserState.user_id == "u-d")) is not None

@@ -521,6 +521,15 @@ def test_one_users_failed_build_costs_the_others_no_second_model_call(
     assert set(_stored(settings, "u2")) == set()
 
 
+def _writer_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The model writer's clock, moved on by what the returned list's one item holds (seconds)."""
+    import time as real_time
+
+    shift = [0.0]
+    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
+    return shift
+
+
 def _dirty(settings: Settings, users: list[str]) -> set[str]:
     from store.models import UserState
 
@@ -535,15 +544,12 @@ def test_no_profile_call_starts_once_the_chunks_time_for_model_work_is_up(
     # The model writes every profile, and each call takes the chunk past its time budget
     # (a clock moved on by each call): the user whose call was made is written, the
     # others wait for the next pass with their old profiles, and no call is made twice.
-    import time as real_time
-
     from tasks.profile_writer import ProfileWriter
 
     settings = scripted_settings(pg_settings)
     seed(settings, [row for user in ("u1", "u2", "u3") for row in _about(user)])
     SCRIPTED_REPLY["text"] = json.dumps({"unchanged": True})
-    shift = [0.0]
-    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
+    shift = _writer_clock(monkeypatch)
     write = ProfileWriter.__call__
 
     def slow(self: ProfileWriter, *args: Any, **kwargs: Any) -> Any:
@@ -623,15 +629,12 @@ def test_a_user_stopped_between_two_model_written_profiles_keeps_the_paid_one(
     # first call (the chunk's budget, or the soft time limit in the second call). No call
     # starts after that; the first profile, paid for, is kept, and the next pass asks
     # the model for the two others only.
-    import time as real_time
-
     from tasks.profile_writer import ProfileWriter
     from worker.errors import Interrupted
 
     settings = pg_settings.model_copy(update={"profile_writer": "model"})
     seed(settings, _three_agents("u1"))
-    shift = [0.0]
-    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
+    shift = _writer_clock(monkeypatch)
     write = ProfileWriter.__call__
     made: list[str] = []
 
@@ -686,15 +689,13 @@ def test_a_deadline_passed_still_rebuilds_a_model_profile_that_needs_no_call(
 ) -> None:
     # A recall changes u1's fingerprint, not the lines the model would be offered: its
     # model-written profiles are kept without a call, so the time being up defers nothing.
-    import time as real_time
-
     settings = pg_settings.model_copy(update={"profile_writer": "model"})
     seed(settings, _three_agents("u1"))
     dream_users(settings, ["u1"])
     table = table_for(settings)
     with session_scope(settings) as session:
         session.execute(update(table).where(table.c.key == "job_title").values(access_count=5))
-    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + 10**6))
+    _writer_clock(monkeypatch)[0] = 10.0**6
     before = _model_calls()
     [outcome] = dream_users(settings, ["u1"], budget_seconds=600)
     assert _model_calls() == before and outcome.profiles_built == 3 and not outcome.retry_soon
@@ -707,16 +708,13 @@ def test_a_paid_profile_is_written_by_the_runs_closing_even_where_keeping_it_at_
     # The time runs out after u1's first model-written profile, and writing that profile
     # at once fails (a lock timeout): the transaction that closes the runs writes it, so
     # the next pass asks the model for the two others only.
-    import time as real_time
-
     from sqlalchemy.exc import OperationalError
 
     from tasks.profile_writer import ProfileWriter
 
     settings = pg_settings.model_copy(update={"profile_writer": "model"})
     seed(settings, _three_agents("u1"))
-    shift = [0.0]
-    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0]))
+    shift = _writer_clock(monkeypatch)
     write = ProfileWriter.__call__
 
     def an_hour_each(self: ProfileWriter, *args: Any, **kwargs: Any) -> Any:
@@ -780,15 +778,13 @@ def test_a_deadline_passed_leaves_users_who_need_no_model_call_to_be_built(
 ) -> None:
     # Only the writer agent's profiles are the model's: once the time for model work is
     # up, u2's deterministic profiles are built all the same.
-    import time as real_time
-
     settings = pg_settings
     with session_scope(settings) as session:
         from store import policies as policy_store
 
         policy_store.merge_config(session, "writer", {"profileWriter": "model"})
     seed(settings, [entry("u1", "job_title", "Engineer", visibility="self", agent="writer"), *_about("u2")])
-    monkeypatch.setattr(profile_writer, "time", SimpleNamespace(monotonic=lambda: real_time.monotonic() + 10**6))
+    _writer_clock(monkeypatch)[0] = 10.0**6
     outcomes = {o.user_id: o for o in dream_users(settings, ["u1", "u2"], budget_seconds=600)}
     assert outcomes["u2"].profiles_built == 1 and "writer" not in _stored(settings, "u1")
     assert _dirty(settings, ["u1", "u2"]) == {"u1"}
