@@ -2,7 +2,9 @@
 then the retention purge (:mod:`tasks.retention`).
 
 It first settles the budget reservations that a killed pass left behind (see
-:func:`worker.budget.reap_expired`), so they do not hold the day's budget until midnight.
+:func:`worker.budget.reap_expired`), so they do not hold the day's budget until
+midnight, and closes the dream runs a killed pass left ``running`` once their leases
+have lapsed (:func:`schedules.sweeper.close_lapsed_runs`).
 
 Without ``users`` or ``all_users`` the users due now are dreamed (see
 :mod:`store.schedule`), in chunks of ``dispatch_chunk_size`` through
@@ -19,6 +21,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from schedules.sweeper import close_lapsed_runs
 from store import schedule
 from store.db import get_engine, session_scope
 from store.types import db_now
@@ -121,6 +124,7 @@ def run_once(
 
     report = PassReport()
     reap_expired(settings)
+    close_lapsed_runs(settings)
     deadline = time.monotonic() + settings.cron_time_limit_seconds
     signals = process_pending(settings)
     report.signals_processed = signals.processed

@@ -15,7 +15,9 @@ nothing to do.
 
 Each sweep also settles the budget reservations of model calls whose process died
 (:func:`worker.budget.reap_expired`), so a killed worker's reservation holds the day's
-budget for minutes, not until midnight.
+budget for minutes, not until midnight, and closes the ledger rows of dream runs whose
+worker died (:func:`close_lapsed_runs`), so they do not stay ``running`` until that
+user's next dream.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from store import dispatch as dispatch_store
+from store import runs as run_store
 from store.db import session_scope
 from worker.budget import reap_expired
 from worker.logs import get_logger
@@ -45,9 +48,20 @@ def stranded(settings: Settings, *, at: datetime | None = None) -> list[tuple[in
         )
 
 
+def close_lapsed_runs(settings: Settings) -> int:
+    """Close, as failed, the dream runs left ``running`` by a worker that died (their
+    user's lease has lapsed): see :func:`store.runs.close_lapsed`. Returns how many."""
+    with session_scope(settings) as session:
+        closed = run_store.close_lapsed(session)
+    if closed:
+        log.warning("dream.runs_closed_lapsed", runs=closed)
+    return closed
+
+
 def sweep(settings: Settings, send: SendWakeups, not_resent: NotResent, *, at: datetime | None = None) -> int:
     """One sweep: returns the number of wake-ups sent."""
     reap_expired(settings)
+    close_lapsed_runs(settings)
     rows = stranded(settings, at=at)
     if not rows:
         return 0

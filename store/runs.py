@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import insert, select, text, update
+from sqlalchemy import String, cast, func, insert, select, text, update
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.expression import ScalarSelect
 
-from store.models import Run, UserState
+from store.models import ArchivedEntry, Run, Spend, UserState
 from store.types import db_now
 
 
@@ -27,6 +29,13 @@ class RunCounts:
 ABANDONED = "the run stopped before it closed its ledger row (its worker ended); the next run of this user closed it"
 
 
+#: What a ledger row says when a pass closed it after its user's lease lapsed.
+LAPSED = (
+    "the run stopped before it closed its ledger row (its worker ended, and its lease lapsed); "
+    "a later pass closed it, with what the archive and the budget recorded of it"
+)
+
+
 def close_abandoned(session: Session, user_ids: Sequence[str]) -> int:
     """Close, as failed, the ``running`` ledger rows of ``user_ids``; for the caller that
     has just taken their leases, so no run of theirs is under way: such a row was left
@@ -37,10 +46,57 @@ def close_abandoned(session: Session, user_ids: Sequence[str]) -> int:
     result = session.execute(
         update(Run)
         .where(Run.user_id.in_(sorted(user_ids)), Run.status == "running")
-        .values(status="failed", finished_at=db_now(session), error=ABANDONED)
+        .values(_recorded(session, ABANDONED))
         .execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)
+
+
+def close_lapsed(session: Session) -> int:
+    """Close, as failed, the ``running`` ledger rows whose user's lease has lapsed or was
+    given back: no live run holds them (a run renews its lease while it works), so their
+    worker stopped (killed, out of memory) before closing them. Found by every sweep and
+    ``reverie run``, not only by that user's next run a day later. A run that only lost
+    its lease and still lives closes its own row again later, with its own counts."""
+    at = db_now(session)
+    held = select(UserState.user_id).where(
+        UserState.user_id == Run.user_id, UserState.locked_until.is_not(None), UserState.locked_until >= at
+    )
+    result = session.execute(
+        update(Run)
+        .where(Run.status == "running", ~held.exists())
+        .values(_recorded(session, LAPSED))
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def _recorded(session: Session, error: str) -> dict[str, Any]:
+    """A closed row's values: failed, with what the run left on record (its rows archived
+    as pruned, summarized or resolved, and its spend), which a worker that died never wrote."""
+
+    def archived(reason: str) -> ScalarSelect[Any]:
+        return (
+            select(func.count())
+            .where(
+                ArchivedEntry.user_id == Run.user_id,
+                ArchivedEntry.run_id == Run.id,
+                ArchivedEntry.reason == reason,
+            )
+            .scalar_subquery()
+        )
+
+    spent = (
+        select(Spend.spent_nano).where(Spend.scope == "run", Spend.scope_key == cast(Run.id, String)).scalar_subquery()
+    )
+    return {
+        "status": "failed",
+        "finished_at": db_now(session),
+        "error": error,
+        "entries_pruned": archived("prune"),
+        "entries_summarized": archived("summarize"),
+        "cost_nano": func.coalesce(spent, 0),
+    }
 
 
 #: What a ledger row says when the transaction that opened it lost its reply.

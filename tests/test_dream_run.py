@@ -340,3 +340,103 @@ def test_the_run_that_takes_a_user_over_closes_the_ledger_row_a_stopped_worker_l
         assert (old.id, old.status, old.error) == (left_open, "failed", run_store.ABANDONED)
         assert old.finished_at is not None and old.finished_at <= new.started_at
         assert new.status == "succeeded"
+
+
+def test_a_run_killed_outright_is_closed_by_the_next_pass_once_its_lease_lapses(pg_settings: Settings) -> None:
+    """A ``reverie run`` SIGKILLed after its prune committed leaves its ledger row
+    ``running``; once the lease lapses, the next pass, even one for other users, closes
+    it as failed with the rows it archived and what it spent. A live run is left alone."""
+    import psycopg
+
+    from store import runs as run_store
+    from store.models import ArchivedEntry
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    _chunk_world(settings, ["dead", "other", "live"])
+    env = {**os.environ, "REVERIE_DATABASE_URL": settings.database_url, "REVERIE_SUMMARIZE_INTERACTIONS": "false"}
+    plain_url = settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(plain_url) as blocker:
+        # The profile step waits on this lock, after the prune has committed: the pass is
+        # killed there, with rows archived under a run it never closes.
+        blocker.execute("LOCK TABLE dream_profiles IN ACCESS EXCLUSIVE MODE")
+        proc = subprocess.Popen([REVERIE, "run", "--user", "dead"], env=env, stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            archived = 0
+            while not archived and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+                with session_scope(settings) as session:
+                    archived = session.scalar(
+                        select(func.count()).select_from(ArchivedEntry).where(ArchivedEntry.user_id == "dead")
+                    )
+            assert archived == 1 and proc.poll() is None
+            proc.kill()
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        blocker.rollback()
+    with session_scope(settings) as session:
+        assert _ledger(settings, ["dead"]) == {"dead": ("running", 0)}
+        live_token = "f" * 36
+        assert locks.acquire(session, "live", live_token, timedelta(minutes=10))
+        live_run = run_store.start_run(session, "live", trigger="cron")
+    # Time passes: the killed pass's lease lapses (it renewed it while it lived).
+    with session_scope(settings) as session:
+        session.execute(
+            UserState.__table__.update()
+            .where(UserState.user_id == "dead")
+            .values(locked_until=now() - timedelta(seconds=1))
+        )
+
+    done = subprocess.run(
+        [REVERIE, "run", "--user", "other"], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+
+    assert done.returncode == 0, done.stderr
+    with session_scope(settings) as session:
+        dead = session.scalars(select(Run).where(Run.user_id == "dead")).one()
+        assert (dead.status, dead.error, dead.entries_pruned) == ("failed", run_store.LAPSED, 1)
+        assert dead.finished_at is not None
+        assert session.get(Run, live_run).status == "running"
+    assert _ledger(settings, ["other"]) == {"other": ("succeeded", 1)}
+
+
+def test_the_sweep_closes_runs_whose_lease_lapsed_with_their_spend_and_leaves_held_ones(
+    store_settings: Settings,
+) -> None:
+    from schedules.sweeper import sweep
+    from store import runs as run_store
+    from store import spend as spend_store
+    from store.models import Spend
+
+    settings = store_settings
+    _chunk_world(settings, ["gone", "freed", "held"])
+    with session_scope(settings) as session:
+        assert locks.acquire(session, "gone", "a" * 36, timedelta(minutes=10))
+        assert locks.acquire(session, "held", "b" * 36, timedelta(minutes=10))
+        gone, freed, held = (run_store.start_run(session, u, trigger="schedule") for u in ("gone", "freed", "held"))
+        spend_store.ensure_lines(session, [spend_store.BudgetLine("run", str(gone), 10**9)])
+        session.execute(
+            Spend.__table__.update()
+            .where(Spend.scope == "run", Spend.scope_key == str(gone))
+            .values(spent_nano=4_600_000)
+        )
+        # "gone"'s worker died long enough ago for its lease to lapse; "freed" holds none.
+        session.execute(
+            UserState.__table__.update()
+            .where(UserState.user_id == "gone")
+            .values(locked_until=now() - timedelta(seconds=5))
+        )
+
+    assert sweep(settings, lambda ids: 0, lambda ids, seconds: ids) == 0
+
+    with session_scope(settings) as session:
+        closed = {run.id: run for run in session.scalars(select(Run))}
+        assert (closed[gone].status, closed[gone].error, closed[gone].cost_nano) == (
+            "failed",
+            run_store.LAPSED,
+            4_600_000,
+        )
+        assert (closed[freed].status, closed[freed].cost_nano) == ("failed", 0)
+        assert closed[held].status == "running" and closed[held].finished_at is None
