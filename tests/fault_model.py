@@ -92,6 +92,16 @@ def _error(litellm: Any, fault: str) -> Exception:
     }
     cls = getattr(litellm.exceptions, names[fault])
     error: Exception = cls(message=f"scripted {fault}", llm_provider=PROVIDER, model=MODEL)
+    if fault in ("server_error", "overloaded"):
+        # As litellm raises it for a response with that status: from the HTTP client's
+        # error (a server error without one is an answer that was not read).
+        import httpx
+
+        status = 500 if fault == "server_error" else 503
+        request = httpx.Request("POST", "http://fault.invalid/v1/chat/completions")
+        error.__cause__ = httpx.HTTPStatusError(
+            f"scripted {fault}", request=request, response=httpx.Response(status, request=request)
+        )
     return error
 
 

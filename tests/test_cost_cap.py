@@ -495,3 +495,64 @@ def test_the_soft_time_limit_in_an_openai_call_stops_the_caller_and_is_recorded_
         server.server_close()
     assert _BusyEndpoint.requests == 1
     assert budget.day_spent_nano(settings) == reservation and _reserved_total(settings) == 0
+
+
+class _OddEndpoint(BaseHTTPRequestHandler):
+    """An OpenAI-compatible endpoint on loopback answering with ``status``, ``body`` and
+    ``content_type`` (a class's, set by the test)."""
+
+    status: ClassVar[int] = 200
+    body: ClassVar[bytes] = b""
+    content_type: ClassVar[str] = "application/json"
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(type(self).status)
+        self.send_header("Content-Type", type(self).content_type)
+        self.send_header("Content-Length", str(len(type(self).body)))
+        self.end_headers()
+        self.wfile.write(type(self).body)
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "body", "billed"),
+    [
+        (500, "application/json", b'{"error": {"message": "boom", "type": "server_error"}}', False),
+        (503, "text/html", b"<html>upstream unavailable</html>", False),
+        (200, "text/html", b"<html>a proxy's page</html>", True),
+        (200, "application/json", b'{"id": "chatcmpl-1", "choices": [{"mess', True),
+    ],
+    ids=["500", "503", "200-html", "200-cut-off"],
+)
+def test_a_server_error_is_free_and_an_answer_that_could_not_be_read_is_recorded_as_spent(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, status: int, content_type: str, body: bytes, billed: bool
+) -> None:
+    """Through litellm's real ``openai/`` provider and HTTP client, against a loopback
+    server: litellm raises the same ``InternalServerError`` for a 5xx and for a 200 whose
+    body it cannot read, but only the 5xx is a refusal the provider billed nothing for."""
+    monkeypatch.setenv("OPENAI_API_KEY", "not-needed-on-loopback")
+    monkeypatch.setattr(_OddEndpoint, "status", status)
+    monkeypatch.setattr(_OddEndpoint, "content_type", content_type)
+    monkeypatch.setattr(_OddEndpoint, "body", body)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OddEndpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    settings = pg_settings.model_copy(
+        update={
+            "llm_model": "openai/odd-model",
+            "llm_api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
+            "llm_input_cost_per_token": 1e-6,
+            "llm_output_cost_per_token": 2e-6,
+        }
+    )
+    reservation = llm.reservation_floor_nano(settings, LONG_PROMPT, 40)
+    try:
+        with pytest.raises(TransientError):
+            llm.complete(settings, purpose="summarize", messages=LONG_PROMPT, max_tokens=40)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert budget.day_spent_nano(settings) == (reservation if billed else 0)
+    assert _reserved_total(settings) == 0

@@ -449,10 +449,16 @@ def reservation_floor_nano(settings: Settings, messages: list[dict[str, str]], m
 
 def _refused_by_provider(litellm: Any, exc: BaseException) -> bool:
     """Whether the provider answered with an error status (it bills no tokens then);
-    anything else (a timeout, a lost connection, an interruption) may have been billed."""
+    anything else (a timeout, a lost connection, an interruption, an answer that could
+    not be read) may have been billed.
+
+    A server error (5xx) is told apart from an answer that was not read: litellm raises
+    the same ``InternalServerError`` for a ``200`` whose body is not the JSON it expects
+    (a proxy's page, a body cut off), for which the provider may well have billed. Only
+    an error with the HTTP error status behind it (in its chain) is taken as a refusal."""
     if isinstance(exc, litellm.exceptions.Timeout | litellm.exceptions.APIConnectionError):
         return False
-    answered = (
+    statuses = (
         litellm.exceptions.RateLimitError,
         litellm.exceptions.AuthenticationError,
         litellm.exceptions.PermissionDeniedError,
@@ -460,11 +466,24 @@ def _refused_by_provider(litellm: Any, exc: BaseException) -> bool:
         litellm.exceptions.BadRequestError,
         litellm.exceptions.UnprocessableEntityError,
         litellm.exceptions.ContentPolicyViolationError,
+    )
+    if isinstance(exc, statuses):
+        return True
+    server_errors = (
         litellm.exceptions.InternalServerError,
         litellm.exceptions.ServiceUnavailableError,
         litellm.exceptions.BadGatewayError,
     )
-    return isinstance(exc, answered)
+    return isinstance(exc, server_errors) and _in_chain(exc, _http_error_statuses()) is not None
+
+
+def _http_error_statuses() -> tuple[type[BaseException], ...]:
+    """The error the HTTP client under litellm raises for a response with an error
+    status. (Not ``openai.APIStatusError``: litellm's own errors derive from it, the
+    ones raised for an answer that was not read included.)"""
+    import httpx
+
+    return (httpx.HTTPStatusError,)
 
 
 def _interrupt_in(exc: BaseException) -> BaseException | None:
@@ -472,6 +491,12 @@ def _interrupt_in(exc: BaseException) -> BaseException | None:
     ``exc``, wherever litellm's wrapping put it in the chain; None if it holds none."""
     from billiard.exceptions import SoftTimeLimitExceeded
 
+    return _in_chain(exc, (SoftTimeLimitExceeded,))
+
+
+def _in_chain(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first error of one of ``kinds`` in ``exc``'s chain (its causes, contexts and
+    litellm's ``original_exception``), ``exc`` itself included; None if there is none."""
     seen: set[int] = set()
     pending: list[BaseException] = [exc]
     while pending:
@@ -479,9 +504,8 @@ def _interrupt_in(exc: BaseException) -> BaseException | None:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, SoftTimeLimitExceeded):
-            found: BaseException = current
-            return found
+        if isinstance(current, kinds):
+            return current
         for linked in (current.__cause__, current.__context__, getattr(current, "original_exception", None)):
             if isinstance(linked, BaseException):
                 pending.append(linked)
