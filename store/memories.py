@@ -364,11 +364,15 @@ def record_events(
     run_id: int | None = None,
     signal_id: int | None = None,
     at: datetime | None = None,
+    stored: Mapping[str, datetime | None] | None = None,
 ) -> None:
-    """One ``dream_events`` row per entry (never the value)."""
+    """One ``dream_events`` row per entry (never the value), at ``at``; ``stored``: the
+    ``updated_at`` the database kept for an entry id, where the write was an insert or an
+    update (a restore compares it with the row's, to tell the application's later write)."""
     if not entries:
         return
     when = at or now()
+    kept = stored or {}
     session.execute(
         insert(Event),
         [
@@ -380,11 +384,17 @@ def record_events(
                 "source": source,
                 "run_id": run_id,
                 "signal_id": signal_id,
-                "at": when,
+                "at": _as_stored(kept.get(e.entry_id)) or when,
             }
             for e in entries
         ],
     )
+
+
+def _as_stored(value: Any) -> datetime | None:
+    """A returned ``updated_at`` as ``dream_events.at`` holds times (naive UTC; a host's
+    column with a time zone reads with one); None for none (or a value that is no time)."""
+    return naive_utc(value) if isinstance(value, datetime) else None
 
 
 # -- writes: archive-then-replace and EDDI's upsert --------------------------------------
@@ -588,9 +598,10 @@ def upsert_entry(
             # A concurrent writer may have inserted the same key since our look:
             # then the loop finds its row and replaces it instead.
             .on_conflict_do_nothing()
-            .returning(table.c.id)
+            .returning(table.c.id, stored_time(session, table))
         )
-        if session.execute(statement).first() is not None:
+        inserted = session.execute(statement).first()
+        if inserted is not None:
             record_events(
                 session,
                 [Removed(entry_id, user_id, key)],
@@ -599,6 +610,7 @@ def upsert_entry(
                 run_id=run_id,
                 signal_id=signal_id,
                 at=at,
+                stored={entry_id: inserted.updated_at},
             )
             return Upserted(entry_id, "insert")
     raise TransientError("another writer kept changing the entry; try again")
@@ -628,7 +640,7 @@ def _replace(
     changes: dict[str, Any] = {"value": value, "category": category, "updated_at": at}
     if source_conversation_id is not None:
         changes["source_conversation_id"] = source_conversation_id
-    session.execute(update(table).where(this).values(**changes))
+    written = session.execute(update(table).where(this).values(**changes).returning(stored_time(session, table)))
     record_events(
         session,
         [Removed(existing.id, existing.user_id, existing.key)],
@@ -637,8 +649,16 @@ def _replace(
         run_id=run_id,
         signal_id=signal_id,
         at=at,
+        stored={existing.id: written.scalar()},
     )
     return Upserted(existing.id, "update")
+
+
+def stored_time(session: Session, table: Table) -> ColumnElement[Any]:
+    """The row's ``updated_at`` as a write's ``RETURNING`` gives it back: what the
+    database kept (the column's own precision, a host's trigger that sets it), as naive
+    in Python's range (:func:`record_events` takes it as naive UTC)."""
+    return loadable_columns([table.c.updated_at], postgres=session.get_bind().dialect.name == "postgresql")[0]
 
 
 def whole_rows(session: Session, table: Table) -> Select[Any]:

@@ -19,7 +19,7 @@ from sqlalchemy import Table, insert
 from sqlalchemy.orm import Session
 
 from store.db import hold_writes
-from store.memories import Removed, entries_of, record_events, remove_entries, user_keys, whole_rows
+from store.memories import Removed, entries_of, record_events, remove_entries, stored_time, user_keys, whole_rows
 from store.types import naive_utc, now
 
 
@@ -124,7 +124,7 @@ def replace_group(
                 "updated_at": at,
             }
         )
-    session.execute(insert(table), rows)
+    written = session.execute(insert(table).returning(table.c.id, stored_time(session, table)), rows)
     record_events(
         session,
         [Removed(r["id"], user_id, r["key"]) for r in rows],
@@ -132,6 +132,7 @@ def replace_group(
         source="summarize",
         run_id=run_id,
         at=at,
+        stored={entry_id: updated_at for entry_id, updated_at in written},
     )
     return [r["id"] for r in rows]
 

@@ -316,3 +316,68 @@ def test_an_entry_a_signal_inserted_and_then_rewrote_is_taken_out_by_its_restore
     with session_scope(store_settings) as session:
         again = restore_signal(session, table, 2)
     assert (again.removed_inserts, again.changed_since, again.restored) == (0, 0, 0)
+
+
+@pytest.fixture(params=["milliseconds", "touch_trigger"])
+def host_keeps_its_own_time(request: pytest.FixtureRequest, pg_settings: Settings) -> Iterator[Settings]:
+    """A host table whose ``updated_at`` is not the time Reverie sent: stored to the
+    millisecond (a Java host's ``TIMESTAMP(3)``), or set by the host's own trigger."""
+    with session_scope(pg_settings) as session:
+        if request.param == "milliseconds":
+            session.execute(text("ALTER TABLE usermemories ALTER COLUMN updated_at TYPE TIMESTAMP(3)"))
+        else:
+            session.execute(
+                text(
+                    "CREATE FUNCTION touch() RETURNS trigger LANGUAGE plpgsql AS "
+                    "$$ BEGIN NEW.updated_at := clock_timestamp() AT TIME ZONE 'UTC'; RETURN NEW; END $$"
+                )
+            )
+            session.execute(
+                text(
+                    "CREATE TRIGGER touch BEFORE INSERT OR UPDATE ON usermemories FOR EACH ROW EXECUTE FUNCTION touch()"
+                )
+            )
+    dispose_engines()
+    try:
+        yield pg_settings.model_copy(update={"summarize_interactions": False})
+    finally:
+        dispose_engines()
+        with session_scope(pg_settings) as session:
+            session.execute(text("DROP TRIGGER IF EXISTS touch ON usermemories"))
+            session.execute(text("DROP FUNCTION IF EXISTS touch()"))
+            session.execute(text("ALTER TABLE usermemories ALTER COLUMN updated_at TYPE TIMESTAMP"))
+        dispose_engines()
+
+
+def test_a_restore_undoes_a_signal_where_the_host_keeps_its_own_updated_at(host_keeps_its_own_time: Settings) -> None:
+    """The time a restore compares is the ``updated_at`` the database kept, not the one
+    sent: nothing was changed since, so everything the signal wrote is undone."""
+    settings = host_keeps_its_own_time
+    _said(settings, "My favorite color is blue.", "c-1")
+    overwrite = _said(settings, "My favorite color is green. My home city is Oslo.", "c-2")
+    assert _values(settings) == {"favorite_color": "green", "home_city": "Oslo"}
+
+    result = _restore(settings, "--signal", str(overwrite))
+
+    assert result.returncode == 0, result.stderr
+    assert f"signal {overwrite}: restored 1 entries, took out 1 it wrote" in result.stdout
+    assert _values(settings) == {"favorite_color": "blue"}
+
+
+def test_a_restore_takes_out_the_summaries_where_the_host_keeps_its_own_updated_at(
+    host_keeps_its_own_time: Settings,
+) -> None:
+    from tasks.dream import dream_user
+    from tests.dream_seed import entry, seed
+
+    settings = host_keeps_its_own_time.model_copy(update={"summarize_interactions": True})
+    seed(settings, [entry("alice", f"n{i}", f"note {i}", category="context") for i in range(6)])
+    outcome = dream_user(settings, "alice")
+    assert outcome.entries_summarized == 6 and outcome.run_id is not None
+    summaries = set(_values(settings))
+    assert summaries and not summaries & {f"n{i}" for i in range(6)}
+
+    result = _restore(settings, "--run", str(outcome.run_id))
+
+    assert result.returncode == 0, result.stderr
+    assert set(_values(settings)) == {f"n{i}" for i in range(6)}
