@@ -440,3 +440,64 @@ def test_the_sweep_closes_runs_whose_lease_lapsed_with_their_spend_and_leaves_he
         )
         assert (closed[freed].status, closed[freed].cost_nano) == ("failed", 0)
         assert closed[held].status == "running" and closed[held].finished_at is None
+
+
+def test_sigterm_ends_a_pass_as_ctrl_c_does_closing_its_runs_and_counting_them(
+    pg_settings: Settings, tmp_path: Path
+) -> None:
+    """``timeout``, systemd and Kubernetes end an overrunning pass with SIGTERM: the
+    chunks under way finish and close their runs, none starts after, every lease is
+    given back, the pass says so and exits 143, and its metrics file counts what it did."""
+    import signal
+
+    import psycopg
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    users = [f"t{i}" for i in range(8)]
+    _chunk_world(settings, users)
+    textfile = tmp_path / "reverie.prom"
+    env = {
+        **os.environ,
+        "REVERIE_DATABASE_URL": settings.database_url,
+        "REVERIE_SUMMARIZE_INTERACTIONS": "false",
+        "REVERIE_DISPATCH_CHUNK_SIZE": "2",
+        "REVERIE_CRON_CONCURRENCY": "2",
+    }
+    plain_url = settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(plain_url) as blocker:
+        # Both chunks under way wait at their profile step, their prune committed.
+        blocker.execute("LOCK TABLE dream_profiles IN ACCESS EXCLUSIVE MODE")
+        proc = subprocess.Popen(
+            [REVERIE, "run", "--all", "--metrics-textfile", str(textfile)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            archived = 0
+            while archived < 4 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+                with session_scope(settings) as session:
+                    archived = session.scalar(select(func.count()).select_from(Run).where(Run.status == "running"))
+            assert archived == 4 and proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        finally:
+            blocker.rollback()
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1].startswith("reverie: error: terminated (SIGTERM)")
+    ledger = _ledger(settings, users)
+    assert sorted(status for status, _ in ledger.values()) == ["succeeded"] * 4, ledger
+    assert set(_dirty_and_unlocked(settings, users).values()) <= {(False, True)}
+    with session_scope(settings) as session:
+        assert session.scalar(select(func.count()).select_from(UserState).where(UserState.lock_token.is_not(None))) == 0
+    counted = [line for line in textfile.read_text().splitlines() if line.startswith("dream_users_processed_total ")]
+    assert counted == ["dream_users_processed_total 4.0"]

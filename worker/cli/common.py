@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -19,6 +22,27 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, as a command that works on users raises it: the way Ctrl-C ends it
+    (the work under way closes its runs and gives its leases back), exit 143."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM (``timeout``, systemd, Kubernetes ending an overrunning
+    cron pass) raises :class:`Terminated` in this thread instead of ending the process
+    where it stands."""
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
