@@ -95,6 +95,9 @@ class RunOutcome:
         )
 
 
+#: What the ledger says of a run whose summarizing the pass's time left to the next pass.
+CARRIED = "summarizing carried to the next pass: the pass's time for model work was up"
+
 #: A skipped run's reason for a user with no entries and no schedule (erased since a
 #: message named them, or never known): nothing is made for them.
 UNKNOWN_USER = "no entries and no schedule (erased, or not known yet): nothing to dream"
@@ -687,9 +690,12 @@ def dream_users(
         try:
             chunk.prune_and_detect()
             chunk.summarize(interrupts, budget_seconds)
-            if not chunk.out_of_time:
-                # Out of time (soft limit or time budget): close the runs first; the
-                # profiles of users who changed are rebuilt by the next pass.
+            if chunk.interrupted:
+                # The soft time limit: close the runs now; the next pass builds the profiles.
+                chunk.leave_profiles_to_next_pass()
+            else:
+                # Past the pass's time budget too: no model call starts then (the users
+                # who need one wait for the next pass), and the others are built.
                 deadline = None if budget_seconds is None else started + budget_seconds
                 chunk.refresh_profiles(ModelTime(deadline, interrupts))
         finally:
@@ -710,7 +716,8 @@ class _Chunk:
     policies: PolicyBook
     outcomes: dict[str, RunOutcome]
     carried: list[str] = field(default_factory=list)
-    out_of_time: bool = False
+    #: Stopped by the soft time limit (``interrupts``), not only out of its time budget.
+    interrupted: bool = False
     #: The profiles built for the chunk's changed users, written when the runs close.
     composed: profiles.Composed | None = None
 
@@ -799,6 +806,7 @@ class _Chunk:
                 # The soft time limit (in a model call, or out of one): stop here, close
                 # the runs, and let the task end.
                 _fail(outcome, TransientError(f"interrupted: {type(exc).__name__}"))
+                self.interrupted = True
                 self.carried.append(outcome.user_id)
                 self._carry(pending[index + 1 :])
                 return
@@ -825,11 +833,18 @@ class _Chunk:
             for outcome in self.outcomes.values():
                 outcome.retry_soon = True
 
+    def leave_profiles_to_next_pass(self) -> None:
+        """The profiles are not built by this chunk: every user is marked for the next
+        pass (after the dirty delay), which builds those whose memory changed."""
+        if self.settings.build_profiles:
+            for outcome in self.outcomes.values():
+                outcome.retry_soon = True
+
     def _carry(self, rest: list[RunOutcome]) -> None:
         # Pruned and checked, not summarized (time is up): the next pass summarizes them.
-        self.out_of_time = True
         for outcome in rest:
             outcome.status = "succeeded"
+            outcome.error = outcome.error or CARRIED
             self.carried.append(outcome.user_id)
 
     def finish(self, elapsed: float) -> None:

@@ -214,6 +214,13 @@ def test_a_chunk_out_of_time_carries_summarization_to_the_next_pass(pg_settings:
     assert [o.entries_pruned for o in outcomes] == [1, 1, 1]
     assert [o.entries_summarized for o in outcomes] == [5, 0, 0]
     assert _dirty_and_unlocked(pg_settings, users) == {"t1": (False, True), "t2": (True, True), "t3": (True, True)}
+    assert [o.error for o in outcomes] == [None, tasks.dream.CARRIED, tasks.dream.CARRIED]
+    # No model call is needed for them: their profiles are built all the same, the
+    # summarized user's from its summaries.
+    with session_scope(pg_settings) as session:
+        built = session.execute(select(Profile.user_id, Profile.text).where(Profile.agent_id == "agent-a")).all()
+    assert sorted(user for user, _ in built) == users
+    assert [o.profiles_built > 0 for o in outcomes] == [True, True, True]
 
 
 def test_the_soft_time_limit_fails_the_current_run_and_carries_the_rest(
@@ -238,9 +245,12 @@ def test_the_soft_time_limit_fails_the_current_run_and_carries_the_rest(
     assert {u: o.status for u, o in outcomes.items()} == {"s1": "succeeded", "s2": "failed", "s3": "succeeded"}
     assert "interrupted" in (outcomes["s2"].error or "")
     assert _ledger(pg_settings, users)["s2"] == ("failed", 1)
-    # The interrupted user and those after it are picked up again by the next pass.
+    # The interrupted user and those after it are picked up again by the next pass, and
+    # so is the one summarized before: the chunk stopped before building its profiles.
     dirty = _dirty_and_unlocked(pg_settings, users)
-    assert (dirty["s1"], dirty["s2"], dirty["s3"]) == ((False, True), (True, True), (True, True))
+    assert (dirty["s1"], dirty["s2"], dirty["s3"]) == ((True, True), (True, True), (True, True))
+    with session_scope(pg_settings) as session:
+        assert session.scalar(select(func.count()).select_from(Profile)) == 0
 
 
 def test_a_run_that_loses_the_database_is_tried_again_soon_and_a_bug_is_not(
