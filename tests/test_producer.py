@@ -112,6 +112,33 @@ def test_sql_producer_conflicts_per_user(pg_settings: Settings) -> None:
     assert signal_count(pg_settings) == 2
 
 
+@pytest.mark.parametrize("blank", ["", "   ", "\t\n"], ids=["empty", "spaces", "tab-newline"])
+def test_a_sql_insert_with_a_blank_key_is_refused_not_dropped_as_a_duplicate(
+    store_settings: Settings, blank: str
+) -> None:
+    """A blank key is refused at the INSERT, as the CLI and Python producers refuse it:
+    taken as a key, it made every later signal of that user a duplicate that ``ON
+    CONFLICT DO NOTHING`` dropped without a word. A NULL key still gets the default."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    insert = text(
+        "INSERT INTO dream_signals (kind, user_id, payload, idempotency_key) "
+        "VALUES ('activity', 'alice', :payload, :key) ON CONFLICT (user_id, idempotency_key) DO NOTHING"
+    )
+    for n in range(2):
+        with (
+            pytest.raises(DBAPIError, match="idempotency_key must not be empty"),
+            session_scope(store_settings) as session,
+        ):
+            session.execute(insert, {"payload": json.dumps({"events": [], "n": n}), "key": blank})
+    assert signal_count(store_settings) == 0
+    with session_scope(store_settings) as session:
+        for n in range(2):
+            session.execute(insert, {"payload": json.dumps({"events": [], "n": n}), "key": None})
+    assert signal_count(store_settings) == 2
+
+
 def test_enqueue_inside_the_callers_transaction(pg_settings: Settings) -> None:
     with pytest.raises(RuntimeError), session_scope(pg_settings) as session:
         enqueue_signal("session_end", "u", OK, session=session, settings=pg_settings)
