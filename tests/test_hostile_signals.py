@@ -211,7 +211,15 @@ def corpus() -> list[Case]:
         {**valid("session_end"), "__proto__": {}, "$where": "1", "": None},
         expect="done",
     )
-    add("huge numbers", "activity", '{"events": [], "x": 1e400, "y": -0, "z": 1e-400}', raw=True, expect="done")
+    # PostgreSQL keeps 1e400 as its 401 digits: refused when processed, as the producers refuse it.
+    add("huge numbers", "activity", '{"events": [], "x": 1e400, "y": -0, "z": 1e-400}', raw=True, expect="rejected")
+    add(
+        "tiny and signed numbers",
+        "activity",
+        '{"events": [], "y": -0, "z": 1e-400, "w": -1.5e308}',
+        raw=True,
+        expect="done",
+    )
     add("victim named in payload", "session_end", {**valid("session_end"), "user_id": VICTIM}, expect="done")
     return cases
 
@@ -281,10 +289,11 @@ def test_real_nul_bytes_never_get_in(pg_settings: Settings) -> None:
         )
 
 
-@pytest.mark.parametrize("number", ["Infinity", "-Infinity", "1e400"])
+@pytest.mark.parametrize("number", ["Infinity", "-Infinity", "1e400", "1" + "0" * 400, "-1" + "0" * 309])
 def test_an_infinite_number_is_refused_by_name_before_anything_is_written(pg_settings: Settings, number: str) -> None:
-    # Python reads all three as a float infinity; PostgreSQL refuses two of them and
-    # would keep the third as 401 digits: the producer refuses them all, naming the field.
+    # Python reads the first three as a float infinity, the others as integers past a
+    # double's range; PostgreSQL refuses two of them and would keep the others as their
+    # digits: the producer refuses them all, naming the field.
     from worker.errors import InvalidSignal
     from worker.producer import enqueue_signal, enqueue_signal_json
 

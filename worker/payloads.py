@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from functools import cache
@@ -298,6 +299,10 @@ def _path(root: str, parts: Any) -> str:
     return out
 
 
+#: The largest finite double, as an integer: a JSON integer past it is beyond a double's range.
+_LARGEST_DOUBLE = int(sys.float_info.max)
+
+
 def _check_depth_and_nul(value: Any, path: str, depth: int) -> None:
     # Iterative enough for our cap: recursion stops at MAX_DEPTH, so no RecursionError.
     if depth > MAX_DEPTH:
@@ -315,8 +320,16 @@ def _check_depth_and_nul(value: Any, path: str, depth: int) -> None:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _check_depth_and_nul(item, f"{path}[{i}]", depth + 1)
-    elif isinstance(value, float) and math.isnan(value):
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        _check_number(value, path)
+
+
+def _check_number(value: float, path: str) -> None:
+    # An integer is compared as one (a float of it may overflow).
+    if not isinstance(value, int) and math.isnan(value):
         raise InvalidSignal(path, "is NaN, which JSON does not allow")
-    elif isinstance(value, float) and math.isinf(value):
-        # ``Infinity``, or a number past a double's range (1e400) that Python reads as it.
+    # ``Infinity``, a number past a double's range (1e400) that Python reads as it, or
+    # the same written as an integer: PostgreSQL's ``jsonb`` gives ``1e400`` back as its
+    # 401 digits, and a producer may write them so.
+    if abs(value) > _LARGEST_DOUBLE if isinstance(value, int) else math.isinf(value):
         raise InvalidSignal(path, "is infinite or beyond a double's range (about 1.8e308), which Reverie does not take")
