@@ -952,6 +952,20 @@ def test_a_broker_url_that_is_not_redis_is_refused_before_a_signal_is_written(pg
     assert listed.stdout.strip() == ""
 
 
+def test_a_broker_url_with_its_password_in_the_query_is_a_setting_error_not_a_crash(pg_settings: Settings) -> None:
+    # The broker's client takes the password from the URL's own part, and fails with a
+    # TypeError where the query gives it again.
+    env = {
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_BROKER_URL": "redis://127.0.0.1:6379/0?password=s3",
+    }
+    for args in (["health", "--broker"], ["enqueue", "activity", "--user", "u1", "--payload", "-"]):
+        result = run(args, env=env, stdin=ACTIVITY)
+        assert result.returncode == 1
+        assert_one_line_error(result, "REVERIE_BROKER_URL", "password in its query")
+        assert "s3" not in result.stderr
+
+
 @pytest.mark.parametrize("agent", ["*", ""])
 def test_policy_set_refuses_the_defaults_row_and_an_empty_agent(pg_settings: Settings, agent: str) -> None:
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url}

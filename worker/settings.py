@@ -49,6 +49,10 @@ EDDI_MEMORY_COLUMNS = frozenset(
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+#: What a broker URL says in its own parts (scheme, user, password, host, port, path).
+_BROKER_URL_PARTS = frozenset({"transport", "hostname", "port", "userid", "password", "virtual_host"})
+
+
 class Settings(BaseSettings):
     """Every knob Reverie has. Per-agent policies override the dream defaults."""
 
@@ -277,6 +281,16 @@ class Settings(BaseSettings):
         url = url.strip()
         if url and url.split("://", 1)[0].lower() not in ("redis", "rediss"):
             raise ValueError("must be a redis:// or rediss:// URL, or empty for no broker")
+        # The broker's client reads these from the URL's own parts and cannot take them
+        # again in its query (it fails with a TypeError at the first connection).
+        from urllib.parse import parse_qsl, urlsplit
+
+        taken = sorted({name for name, _ in parse_qsl(urlsplit(url).query)} & _BROKER_URL_PARTS)
+        if taken:
+            raise ValueError(
+                f"has {', '.join(taken)} in its query: "
+                "give it in the URL's own part instead (the password before the host)"
+            )
         return url
 
     @field_validator("database_url")
