@@ -20,7 +20,10 @@ from typing import Any
 from sqlalchemy import (
     ARRAY,
     BigInteger,
+    Boolean,
     ColumnElement,
+    DateTime,
+    Integer,
     Select,
     String,
     Table,
@@ -45,7 +48,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine.interfaces import ReflectedColumn
 from sqlalchemy.orm import Session
-from sqlalchemy.types import NullType
+from sqlalchemy.types import NullType, TypeEngine
 
 from store.db import has_table, session_scope
 from store.entry_state import is_reserved, reserved
@@ -67,21 +70,43 @@ def table_for(settings: Settings) -> Table:
     return memory_table(settings.memory_table, settings.memory_last_access_column)
 
 
+#: What each column of EDDI's layout must be for Reverie's statements to run on it
+#: (checked on PostgreSQL; SQLite's column types are advisory): the type's family and a
+#: word for it. A column not named here only has to be there.
+_COLUMN_KINDS: dict[str, tuple[type[TypeEngine[Any]], str]] = {
+    **dict.fromkeys(("id", "user_id", "key"), (String, "text (varchar or text)")),
+    "conflicted": (Boolean, "boolean"),
+    "access_count": (Integer, "an integer"),
+    **dict.fromkeys(("created_at", "updated_at"), (DateTime, "a timestamp")),
+}
+
+
 def check_memory_table(settings: Settings) -> None:
-    """Raise :class:`ConfigError` when the host's table lacks the last-access column the
-    settings name (every dream would fail on it): commands check before any work."""
-    name = settings.memory_last_access_column
-    if not name or not has_table(settings, settings.memory_table):
-        return  # nothing to check, or not migrated yet (said elsewhere)
+    """Raise :class:`ConfigError` when the host's table lacks a column of EDDI's layout,
+    has one of a type Reverie's statements cannot work on (an ``id`` of type ``uuid``),
+    or lacks the last-access column the settings name: every dream and signal would fail
+    on it. Commands and the worker check before any work, ``reverie health`` too."""
+    if not has_table(settings, settings.memory_table):
+        return  # not migrated yet (said elsewhere)
+    table = table_for(settings)
     with session_scope(settings) as session:
-        columns = {column["name"] for column in host_columns(session, table_for(settings))}
+        found = {column["name"]: column["type"] for column in host_columns(session, table)}
     if settings.is_sqlite:
         # SQLite's names are case-insensitive: ``lastaccessed`` reads ``LastAccessed``.
-        name, columns = name.lower(), {column.lower() for column in columns}
-    if name not in columns:
-        raise ConfigError(
-            f"REVERIE_MEMORY_LAST_ACCESS_COLUMN={name}: the memory table {settings.memory_table} has no such column"
-        )
+        found = {name.lower(): kind for name, kind in found.items()}
+    where = f"the memory table {settings.memory_table}"
+    last = settings.memory_last_access_column
+    if last and (last.lower() if settings.is_sqlite else last) not in found:
+        raise ConfigError(f"REVERIE_MEMORY_LAST_ACCESS_COLUMN={last}: {where} has no such column")
+    missing = [column.name for column in table.columns if column.name not in found and column.name != last]
+    if missing:
+        raise ConfigError(f"{where} has no column {', '.join(missing)}: Reverie works on EDDI's layout (see Tables)")
+    if settings.is_sqlite:
+        return
+    for name, (family, word) in _COLUMN_KINDS.items():
+        kind = found[name]
+        if not isinstance(kind, family):
+            raise ConfigError(f"{where}: column {name} is {kind}; Reverie needs {word} there")
 
 
 def quoted_name(session: Session, table: Table) -> str:

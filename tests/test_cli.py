@@ -976,6 +976,46 @@ def test_policy_set_refuses_the_defaults_row_and_an_empty_agent(pg_settings: Set
     assert set(shown) == {"*"} and shown["*"]["enabled"] is True
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ("DROP COLUMN access_count", "has no column access_count"),
+        ("DROP COLUMN group_ids, DROP COLUMN conflicted", "has no column group_ids, conflicted"),
+        (
+            "ALTER COLUMN id DROP DEFAULT, ALTER COLUMN id TYPE uuid USING gen_random_uuid()",
+            "column id is UUID; Reverie needs text",
+        ),
+        ("ALTER COLUMN updated_at TYPE text", "column updated_at is TEXT; Reverie needs a timestamp"),
+    ],
+    ids=["missing", "two-missing", "uuid-id", "text-time"],
+)
+def test_a_memory_table_reverie_cannot_work_on_fails_health_run_and_the_worker_up_front(
+    pg_settings: Settings, change: str, said: str
+) -> None:
+    """A table of another layout was found only by every run and signal failing, while
+    ``health`` (a readiness probe) said healthy: now each says what is wrong, at once."""
+    from sqlalchemy import text as sql
+
+    from store.db import session_scope
+
+    with session_scope(pg_settings) as session:
+        session.execute(sql("CREATE TABLE hostmem (LIKE usermemories INCLUDING ALL)"))
+        session.execute(sql(f"ALTER TABLE hostmem {change}"))
+    env = {
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_MEMORY_TABLE": "hostmem",
+        "REVERIE_LOG_HASH_KEY": "a-secret-of-the-tests-own-0123456789",
+    }
+    try:
+        for args in (["health"], ["run", "--all"]):
+            result = run(args, env=env)
+            assert result.returncode == 1, (args, result.stdout)
+            assert_one_line_error(result, "the memory table hostmem", said)
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(sql("DROP TABLE hostmem"))
+
+
 def test_health_fails_when_the_memory_table_it_is_set_to_does_not_exist(pg_settings: Settings) -> None:
     env = {
         "REVERIE_DATABASE_URL": pg_settings.database_url,

@@ -152,7 +152,7 @@ def _check_database(settings: Settings) -> None:
         check_connection(settings)
         check_memory_table(settings)
     except ConfigError as exc:
-        log.error("configuration_error", error=str(exc), hint="every dream fails until this is mended")
+        log.error("configuration_error", error=str(exc), hint="work on the memory table fails until this is mended")
     except Exception as exc:
         # The database may not be up yet; the dreams say the rest.
         log.warning("database not checked at start", error_type=type(exc).__name__)
