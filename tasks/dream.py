@@ -294,6 +294,9 @@ def _run(
         outcome.error = str(exc)
     except Exception as exc:
         _fail(outcome, exc)
+        # A lock the application held past the database's ``lock_timeout``: tried again
+        # by the next pass (after the dirty delay), not at the next dream a day away.
+        outcome.retry_soon = outcome.retry_soon or _a_lock_wait(exc)
         _finish(settings, user_id, run_id, at, outcome, keeper=keeper)
         raise
     _finish(settings, user_id, run_id, at, outcome, keeper=keeper)
@@ -463,6 +466,11 @@ def _keeping_paid(
 def _waited_for_a_lock(exc: OperationalError) -> bool:
     """Whether the database gave up waiting for a lock (``lock_timeout``: SQLSTATE 55P03)."""
     return getattr(exc.orig, "sqlstate", None) == "55P03"
+
+
+def _a_lock_wait(exc: BaseException) -> bool:
+    """Whether ``exc`` is the database giving up waiting for a lock."""
+    return isinstance(exc, OperationalError) and _waited_for_a_lock(exc)
 
 
 def _build_one_by_one(
@@ -779,6 +787,9 @@ class _Chunk:
                 # Named by type only: a driver's message can quote the row it failed on.
                 log.error("dream.user_failed", user=user_ref(user_id), error_type=type(exc).__name__)
                 _fail(outcome, exc)
+                if _a_lock_wait(exc):
+                    # The application held a row past ``lock_timeout``: the next pass tries again.
+                    self.carried.append(user_id)
 
     def summarize(self, interrupts: tuple[type[BaseException], ...], budget_seconds: float | None) -> None:
         pending = [o for o in self.outcomes.values() if o.status == "running"]

@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 
 import tasks.dream
 from store import locks, schedule
-from store.db import session_scope
+from store.db import dispose_engines, session_scope
 from store.models import Profile, Run, UserState
 from store.types import now
 from tasks.dream import dream_user, dream_users
@@ -511,3 +511,39 @@ def test_sigterm_ends_a_pass_as_ctrl_c_does_closing_its_runs_and_counting_them(
         assert session.scalar(select(func.count()).select_from(UserState).where(UserState.lock_token.is_not(None))) == 0
     counted = [line for line in textfile.read_text().splitlines() if line.startswith("dream_users_processed_total ")]
     assert counted == ["dream_users_processed_total 4.0"]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_row_the_application_holds_past_lock_timeout_leaves_the_user_to_the_next_pass(
+    pg_settings: Settings, chunked: bool
+) -> None:
+    """With a ``lock_timeout`` set on the database, a user whose row the application
+    holds fails its run; they are tried again after the dirty delay, not at their next
+    dream a day later, and the chunk's other users are dreamed."""
+    import psycopg
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    _chunk_world(settings, ["held", "free"])
+    plain_url = settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    database = plain_url.rsplit("/", 1)[1]
+    with psycopg.connect(plain_url, autocommit=True) as admin:
+        admin.execute(f"ALTER DATABASE \"{database}\" SET lock_timeout = '300ms'")
+    dispose_engines()
+    try:
+        with psycopg.connect(plain_url) as application:
+            application.execute("SELECT * FROM usermemories WHERE user_id = 'held' AND key = 'old' FOR UPDATE")
+            if chunked:
+                outcomes = {o.user_id: o for o in dream_users(settings, ["held", "free"])}
+            else:
+                outcomes = {"held": dream_user(settings, "held", raise_failure=False)}
+            application.rollback()
+    finally:
+        with psycopg.connect(plain_url, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{database}" RESET lock_timeout')
+        dispose_engines()
+
+    assert outcomes["held"].status == "failed" and "LockNotAvailable" in (outcomes["held"].error or "")
+    assert _dirty_and_unlocked(settings, ["held"]) == {"held": (True, True)}
+    if chunked:
+        assert outcomes["free"].status == "succeeded"
+        assert _dirty_and_unlocked(settings, ["free"]) == {"free": (False, True)}
