@@ -440,6 +440,18 @@ def test_erasure_removes_the_users_own_budget_lines(pg_settings: Settings) -> No
     assert users == {budget.user_day_key("bob")}
 
 
+def _on_loopback(settings: Settings, server: ThreadingHTTPServer, model: str) -> Settings:
+    """``settings`` calling ``model`` on the loopback ``server``, priced."""
+    return settings.model_copy(
+        update={
+            "llm_model": model,
+            "llm_api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
+            "llm_input_cost_per_token": 1e-6,
+            "llm_output_cost_per_token": 2e-6,
+        }
+    )
+
+
 class _BusyEndpoint(BaseHTTPRequestHandler):
     """An OpenAI-compatible endpoint on loopback that answers 503, and counts requests."""
 
@@ -477,14 +489,7 @@ def test_the_soft_time_limit_in_an_openai_call_stops_the_caller_and_is_recorded_
         raise SoftTimeLimitExceeded()
 
     monkeypatch.setattr(httpx.HTTPTransport, "handle_request", sent_then_interrupted)
-    settings = pg_settings.model_copy(
-        update={
-            "llm_model": "openai/busy-model",
-            "llm_api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
-            "llm_input_cost_per_token": 1e-6,
-            "llm_output_cost_per_token": 2e-6,
-        }
-    )
+    settings = _on_loopback(pg_settings, server, "openai/busy-model")
     reservation = llm.reservation_floor_nano(settings, LONG_PROMPT, 40)
     _BusyEndpoint.requests = 0
     try:
@@ -539,14 +544,7 @@ def test_a_server_error_is_free_and_an_answer_that_could_not_be_read_is_recorded
     monkeypatch.setattr(_OddEndpoint, "body", body)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _OddEndpoint)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    settings = pg_settings.model_copy(
-        update={
-            "llm_model": "openai/odd-model",
-            "llm_api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
-            "llm_input_cost_per_token": 1e-6,
-            "llm_output_cost_per_token": 2e-6,
-        }
-    )
+    settings = _on_loopback(pg_settings, server, "openai/odd-model")
     reservation = llm.reservation_floor_nano(settings, LONG_PROMPT, 40)
     try:
         with pytest.raises(TransientError):
