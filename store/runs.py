@@ -86,8 +86,12 @@ def _recorded(session: Session, error: str) -> dict[str, Any]:
             .scalar_subquery()
         )
 
+    # A reservation still open counts in full: its process died in the call, and the
+    # reaper settles it as spent once the call's deadline passes.
     spent = (
-        select(Spend.spent_nano).where(Spend.scope == "run", Spend.scope_key == cast(Run.id, String)).scalar_subquery()
+        select(Spend.spent_nano + Spend.reserved_nano)
+        .where(Spend.scope == "run", Spend.scope_key == cast(Run.id, String))
+        .scalar_subquery()
     )
     return {
         "status": "failed",

@@ -299,6 +299,12 @@ def _run(
         outcome.retry_soon = outcome.retry_soon or _a_lock_wait(exc)
         _finish(settings, user_id, run_id, at, outcome, keeper=keeper)
         raise
+    except KeyboardInterrupt as exc:
+        # Ctrl-C or SIGTERM (``reverie run``): the run closes, the next pass does the rest.
+        outcome.status, outcome.error = "failed", f"interrupted: {type(exc).__name__}"
+        outcome.retry_soon = True
+        _finish(settings, user_id, run_id, at, outcome, keeper=keeper)
+        raise
     _finish(settings, user_id, run_id, at, outcome, keeper=keeper)
 
 
@@ -706,6 +712,11 @@ def dream_users(
                 # who need one wait for the next pass), and the others are built.
                 deadline = None if budget_seconds is None else started + budget_seconds
                 chunk.refresh_profiles(ModelTime(deadline, interrupts))
+        except KeyboardInterrupt:
+            # Ctrl-C or SIGTERM (``reverie run``): the runs close below, and every user
+            # is left to the next pass (their work may be undone or their profiles unbuilt).
+            chunk.stopped()
+            raise
         finally:
             chunk.finish(time.monotonic() - started)
     # A user left out was busy or had their schedule row locked at that instant: the
@@ -825,7 +836,7 @@ class _Chunk:
                 if not isinstance(exc, PermanentError):
                     log.error("dream.user_failed", user=user_ref(outcome.user_id), error_type=type(exc).__name__)
                 _fail(outcome, exc)
-                if isinstance(exc, TransientError | DatabaseUnavailable):
+                if isinstance(exc, TransientError | DatabaseUnavailable) or _a_lock_wait(exc):
                     # Worth another try soon (the next pass after the dirty delay), not
                     # at the user's next dream time a day away; a bug is not retried early.
                     self.carried.append(outcome.user_id)
@@ -843,6 +854,12 @@ class _Chunk:
             log.warning("dream.profiles_deferred", users=len(self.outcomes), error_type=type(exc).__name__)
             for outcome in self.outcomes.values():
                 outcome.retry_soon = True
+
+    def stopped(self) -> None:
+        """The chunk was stopped from outside (Ctrl-C, SIGTERM): every user is marked for
+        the next pass, which does what this one did not."""
+        for outcome in self.outcomes.values():
+            outcome.retry_soon = True
 
     def leave_profiles_to_next_pass(self) -> None:
         """The profiles are not built by this chunk: every user is marked for the next

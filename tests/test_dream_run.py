@@ -430,7 +430,8 @@ def test_the_sweep_closes_runs_whose_lease_lapsed_with_their_spend_and_leaves_he
         session.execute(
             Spend.__table__.update()
             .where(Spend.scope == "run", Spend.scope_key == str(gone))
-            .values(spent_nano=4_600_000)
+            # Spent, and a reservation its process died in (the reaper later settles it as spent).
+            .values(spent_nano=4_600_000, reserved_nano=1_000_000)
         )
         # "gone"'s worker died long enough ago for its lease to lapse; "freed" holds none.
         session.execute(
@@ -446,7 +447,7 @@ def test_the_sweep_closes_runs_whose_lease_lapsed_with_their_spend_and_leaves_he
         assert (closed[gone].status, closed[gone].error, closed[gone].cost_nano) == (
             "failed",
             run_store.LAPSED,
-            4_600_000,
+            5_600_000,
         )
         assert (closed[freed].status, closed[freed].cost_nano) == ("failed", 0)
         assert closed[held].status == "running" and closed[held].finished_at is None
@@ -493,7 +494,10 @@ def test_sigterm_ends_a_pass_as_ctrl_c_does_closing_its_runs_and_counting_them(
                     archived = session.scalar(select(func.count()).select_from(Run).where(Run.status == "running"))
             assert archived == 4 and proc.poll() is None
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
+            time.sleep(0.2)
+            # A second one (a supervisor's impatience) does not cut the closing short.
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
         finally:
             blocker.rollback()
         try:
@@ -513,16 +517,19 @@ def test_sigterm_ends_a_pass_as_ctrl_c_does_closing_its_runs_and_counting_them(
     assert counted == ["dream_users_processed_total 4.0"]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize(
+    ("chunked", "held_key"), [(False, "old"), (True, "old"), (True, "n0")], ids=["one", "chunk", "chunk-summary"]
+)
 def test_a_row_the_application_holds_past_lock_timeout_leaves_the_user_to_the_next_pass(
-    pg_settings: Settings, chunked: bool
+    pg_settings: Settings, chunked: bool, held_key: str
 ) -> None:
     """With a ``lock_timeout`` set on the database, a user whose row the application
     holds fails its run; they are tried again after the dirty delay, not at their next
     dream a day later, and the chunk's other users are dreamed."""
     import psycopg
 
-    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    # "old" is pruned (the prune waits on it); "n0" is summarized (the summary's write does).
+    settings = pg_settings.model_copy(update={"summarize_interactions": held_key == "n0"})
     _chunk_world(settings, ["held", "free"])
     plain_url = settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
     database = plain_url.rsplit("/", 1)[1]
@@ -531,7 +538,9 @@ def test_a_row_the_application_holds_past_lock_timeout_leaves_the_user_to_the_ne
     dispose_engines()
     try:
         with psycopg.connect(plain_url) as application:
-            application.execute("SELECT * FROM usermemories WHERE user_id = 'held' AND key = 'old' FOR UPDATE")
+            application.execute(
+                "SELECT * FROM usermemories WHERE user_id = 'held' AND key = %s FOR UPDATE", (held_key,)
+            )
             if chunked:
                 outcomes = {o.user_id: o for o in dream_users(settings, ["held", "free"])}
             else:
@@ -547,3 +556,48 @@ def test_a_row_the_application_holds_past_lock_timeout_leaves_the_user_to_the_ne
     if chunked:
         assert outcomes["free"].status == "succeeded"
         assert _dirty_and_unlocked(settings, ["free"]) == {"free": (False, True)}
+
+
+def test_sigterm_on_a_pass_working_in_its_own_thread_leaves_every_user_to_the_next_pass(
+    pg_settings: Settings,
+) -> None:
+    """One chunk runs in the pass's own thread, where SIGTERM lands: the work it stopped
+    is rolled back, its runs close as failed, and its users are due again after the
+    dirty delay, not a day later."""
+    import signal
+
+    import psycopg
+
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    users = ["m1", "m2", "m3"]
+    _chunk_world(settings, users)
+    env = {**os.environ, "REVERIE_DATABASE_URL": settings.database_url, "REVERIE_SUMMARIZE_INTERACTIONS": "false"}
+    plain_url = settings.database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(plain_url) as blocker:
+        # The chunk's prune waits on this lock (it records events) when SIGTERM comes.
+        blocker.execute("LOCK TABLE dream_events IN ACCESS EXCLUSIVE MODE")
+        proc = subprocess.Popen(
+            [REVERIE, "run", "--all"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            deadline = time.monotonic() + 60
+            running = 0
+            while running < 3 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+                with session_scope(settings) as session:
+                    running = session.scalar(select(func.count()).select_from(Run).where(Run.status == "running"))
+            assert running == 3 and proc.poll() is None
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+        finally:
+            blocker.rollback()
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+    assert proc.returncode == 143, stderr
+    assert {status for status, _ in _ledger(settings, users).values()} == {"failed"}
+    assert _dirty_and_unlocked(settings, users) == dict.fromkeys(users, (True, True))

@@ -36,6 +36,9 @@ def sigterm_as_interrupt() -> Iterator[None]:
     where it stands."""
 
     def terminated(signum: int, frame: Any) -> None:
+        # Once: the pass is stopping, and a second SIGTERM must not cut short the
+        # closing of the chunks under way (SIGKILL still ends the process).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, terminated)

@@ -73,7 +73,7 @@ def run(
         if metrics_textfile is not None:
             _write_metrics(settings, metrics_textfile)
         if isinstance(stopped, Terminated):
-            fail("terminated (SIGTERM): the chunks under way finished, the users left stay due", code=143)
+            fail("terminated (SIGTERM): the runs under way are closed, their users left to the next pass", code=143)
         raise
     data = report.as_dict()
     if as_json:
