@@ -37,6 +37,7 @@ from sqlalchemy import (
     inspect,
     literal,
     literal_column,
+    null,
     or_,
     select,
     text,
@@ -44,6 +45,7 @@ from sqlalchemy import (
     update,
     values,
 )
+from sqlalchemy.dialects.postgresql import DOMAIN
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine.interfaces import ReflectedColumn
@@ -105,6 +107,8 @@ def check_memory_table(settings: Settings) -> None:
         return
     for name, (family, word) in _COLUMN_KINDS.items():
         kind = found[name]
+        while isinstance(kind, DOMAIN):
+            kind = kind.data_type  # a domain is what its base type is
         if not isinstance(kind, family):
             raise ConfigError(f"{where}: column {name} is {kind}; Reverie needs {word} there")
 
@@ -682,8 +686,15 @@ def _replace(
 def stored_time(session: Session, table: Table) -> ColumnElement[Any]:
     """The row's ``updated_at`` as a write's ``RETURNING`` gives it back: what the
     database kept (the column's own precision, a host's trigger that sets it), as naive
-    in Python's range (:func:`record_events` takes it as naive UTC)."""
-    return loadable_columns([table.c.updated_at], postgres=session.get_bind().dialect.name == "postgresql")[0]
+    NULL where it is outside Python's range (:func:`record_events` takes it as naive UTC,
+    and a NULL as no time kept: the time sent, which such a row never matches)."""
+    stamp: ColumnElement[Any] = table.c.updated_at
+    if session.get_bind().dialect.name != "postgresql":
+        return stamp
+    # A time outside Python's range (a trigger's ``infinity``) as NULL: not a time to
+    # compare with (clamped, any two such times would match), so the row reads as changed.
+    within = and_(stamp <= literal(datetime.max, stamp.type), stamp >= literal(datetime.min, stamp.type))
+    return case((within, stamp), else_=null()).label("updated_at")
 
 
 def whole_rows(session: Session, table: Table) -> Select[Any]:

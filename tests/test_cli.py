@@ -1016,6 +1016,32 @@ def test_a_memory_table_reverie_cannot_work_on_fails_health_run_and_the_worker_u
             session.execute(sql("DROP TABLE hostmem"))
 
 
+def test_a_memory_table_with_domain_types_passes_the_check(pg_settings: Settings) -> None:
+    """A domain is judged by its base type: a table Reverie works on is not refused."""
+    from sqlalchemy import text as sql
+
+    from store.db import session_scope
+
+    with session_scope(pg_settings) as session:
+        session.execute(sql("CREATE DOMAIN ktext AS text"))
+        session.execute(sql("CREATE DOMAIN kstamp AS timestamp"))
+        session.execute(sql("CREATE TABLE hostmem (LIKE usermemories INCLUDING ALL)"))
+        session.execute(sql("ALTER TABLE hostmem ALTER COLUMN user_id TYPE ktext, ALTER COLUMN updated_at TYPE kstamp"))
+    env = {
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_MEMORY_TABLE": "hostmem",
+        "REVERIE_LOG_HASH_KEY": "a-secret-of-the-tests-own-0123456789",
+    }
+    try:
+        result = run(["health"], env=env)
+        assert result.returncode == 0, result.stderr
+    finally:
+        with session_scope(pg_settings) as session:
+            session.execute(sql("DROP TABLE hostmem"))
+            session.execute(sql("DROP DOMAIN ktext"))
+            session.execute(sql("DROP DOMAIN kstamp"))
+
+
 def test_health_fails_when_the_memory_table_it_is_set_to_does_not_exist(pg_settings: Settings) -> None:
     env = {
         "REVERIE_DATABASE_URL": pg_settings.database_url,

@@ -112,7 +112,11 @@ def test_sql_producer_conflicts_per_user(pg_settings: Settings) -> None:
     assert signal_count(pg_settings) == 2
 
 
-@pytest.mark.parametrize("blank", ["", "   ", "\t\n"], ids=["empty", "spaces", "tab-newline"])
+@pytest.mark.parametrize(
+    "blank",
+    ["", "   ", "\t\n", "\u3000", "\xa0 \u2003"],
+    ids=["empty", "spaces", "tab-newline", "ideographic", "nbsp-em"],
+)
 def test_a_sql_insert_with_a_blank_key_is_refused_not_dropped_as_a_duplicate(
     store_settings: Settings, blank: str
 ) -> None:

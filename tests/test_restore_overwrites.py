@@ -318,6 +318,41 @@ def test_an_entry_a_signal_inserted_and_then_rewrote_is_taken_out_by_its_restore
     assert (again.removed_inserts, again.changed_since, again.restored) == (0, 0, 0)
 
 
+def test_a_restore_leaves_an_application_change_where_a_trigger_writes_infinity(pg_settings: Settings) -> None:
+    """Times past Python's range are not compared (clamped, any two would match): a row
+    whose ``updated_at`` a trigger sets to ``infinity`` reads as changed, and the
+    application's own write on it is never overwritten by a restore."""
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    with session_scope(settings) as session:
+        session.execute(
+            text(
+                "CREATE FUNCTION forever() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN NEW.updated_at := 'infinity'; RETURN NEW; END $$"
+            )
+        )
+        session.execute(
+            text("CREATE TRIGGER forever BEFORE UPDATE ON usermemories FOR EACH ROW EXECUTE FUNCTION forever()")
+        )
+    dispose_engines()
+    try:
+        _said(settings, "My favorite color is blue.", "c-1")
+        overwrite = _said(settings, "My favorite color is green.", "c-2")
+        with session_scope(settings) as session:
+            session.execute(text("UPDATE usermemories SET value = '\"red\"' WHERE key = 'favorite_color'"))
+        result = _restore(settings, "--signal", str(overwrite))
+        assert result.returncode == 0, result.stderr
+        with session_scope(settings) as session:
+            # The key and value only: the row's time (infinity) is one Python cannot hold.
+            kept = dict(session.execute(text("SELECT key, value FROM usermemories WHERE user_id = 'alice'")).all())
+        assert kept == {"favorite_color": "red"}
+    finally:
+        dispose_engines()
+        with session_scope(pg_settings) as session:
+            session.execute(text("DROP TRIGGER IF EXISTS forever ON usermemories"))
+            session.execute(text("DROP FUNCTION IF EXISTS forever()"))
+        dispose_engines()
+
+
 @pytest.fixture(params=["milliseconds", "touch_trigger"])
 def host_keeps_its_own_time(request: pytest.FixtureRequest, pg_settings: Settings) -> Iterator[Settings]:
     """A host table whose ``updated_at`` is not the time Reverie sent: stored to the

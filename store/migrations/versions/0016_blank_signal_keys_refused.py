@@ -18,6 +18,9 @@ branch_labels = None
 depends_on = None
 
 _MESSAGE = "idempotency_key must not be empty: leave it NULL for the default key"
+#: Every character Python's ``str.strip`` takes as whitespace (the producers' own test),
+#: as SQL text: ASCII's, and Unicode's (U+00A0, U+3000...).
+_SPACES = "".join(chr(c) for c in range(0x3001) if chr(c).isspace())
 
 _PG_KEY_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION dream_signals_default_key() RETURNS trigger
@@ -26,7 +29,7 @@ BEGIN
     IF NEW.idempotency_key IS NULL THEN
         NEW.idempotency_key := encode(sha256(convert_to(
             NEW.kind || E'\\n' || NEW.user_id || E'\\n' || NEW.payload::text, 'UTF8')), 'hex');
-    ELSIF btrim(NEW.idempotency_key, E' \\t\\n\\r\\f\\v') = '' THEN
+    ELSIF btrim(NEW.idempotency_key, '{_SPACES}') = '' THEN
         RAISE EXCEPTION '{_MESSAGE}' USING ERRCODE = 'check_violation', COLUMN = 'idempotency_key',
             TABLE = 'dream_signals';
     END IF;
@@ -49,7 +52,7 @@ $$
 _SQLITE_BLANK_TRIGGER = f"""
 CREATE TRIGGER IF NOT EXISTS dream_signals_blank_key BEFORE INSERT ON dream_signals
 FOR EACH ROW WHEN NEW.idempotency_key IS NOT NULL
-    AND trim(NEW.idempotency_key, ' ' || char(9, 10, 11, 12, 13)) = ''
+    AND trim(NEW.idempotency_key, '{_SPACES}') = ''
 BEGIN
     SELECT RAISE(ABORT, '{_MESSAGE}');
 END
