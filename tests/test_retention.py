@@ -12,7 +12,7 @@ from sqlalchemy import select
 from schedules.beat import beat_schedule
 from schedules.cron import run_once
 from store.db import session_scope
-from store.models import ArchivedEntry, Event, Run, Signal, Spend
+from store.models import ArchivedEntry, Event, Run, Signal, Spend, UserState
 from store.types import now
 from tasks.retention import purge_expired
 from worker.budget import day_key
@@ -33,9 +33,11 @@ def seed(settings: Settings) -> dict[str, Any]:
         kept_run = Run(user_id="u", status="succeeded", started_at=_days_ago(100), finished_at=_days_ago(100))
         new_run = Run(user_id="u", status="succeeded", started_at=_days_ago(5), finished_at=_days_ago(5))
         # A run still under way (another user's: a dream of "u" would close a row of
-        # its own left running, see test_dream_run), however old, is never purged.
+        # its own left running, see test_dream_run), however old, is never purged. It
+        # holds its user's lease, as a live run does (one whose lease lapsed is closed).
         stuck_run = Run(user_id="u-busy", status="running", started_at=_days_ago(100))
-        session.add_all([old_run, kept_run, new_run, stuck_run])
+        lease = UserState(user_id="u-busy", locked_until=now() + timedelta(hours=1), lock_token="b" * 36)
+        session.add_all([old_run, kept_run, new_run, stuck_run, lease])
         session.flush()
         row = {"id": "e1", "key": "k", "value": "v"}
         session.add_all(
