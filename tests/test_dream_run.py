@@ -486,13 +486,7 @@ def test_sigterm_ends_a_pass_as_ctrl_c_does_closing_its_runs_and_counting_them(
             text=True,
         )
         try:
-            deadline = time.monotonic() + 60
-            archived = 0
-            while archived < 4 and time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.05)
-                with session_scope(settings) as session:
-                    archived = session.scalar(select(func.count()).select_from(Run).where(Run.status == "running"))
-            assert archived == 4 and proc.poll() is None
+            _wait_for_runs_under_way(settings, proc, 4)
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.2)
             # A second one (a supervisor's impatience) does not cut the closing short.
@@ -580,13 +574,7 @@ def test_sigterm_on_a_pass_working_in_its_own_thread_leaves_every_user_to_the_ne
             [REVERIE, "run", "--all"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         try:
-            deadline = time.monotonic() + 60
-            running = 0
-            while running < 3 and time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.05)
-                with session_scope(settings) as session:
-                    running = session.scalar(select(func.count()).select_from(Run).where(Run.status == "running"))
-            assert running == 3 and proc.poll() is None
+            _wait_for_runs_under_way(settings, proc, 3)
             time.sleep(0.3)
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
@@ -601,3 +589,14 @@ def test_sigterm_on_a_pass_working_in_its_own_thread_leaves_every_user_to_the_ne
     assert proc.returncode == 143, stderr
     assert {status for status, _ in _ledger(settings, users).values()} == {"failed"}
     assert _dirty_and_unlocked(settings, users) == dict.fromkeys(users, (True, True))
+
+
+def _wait_for_runs_under_way(settings: Settings, proc: subprocess.Popen[str], count: int) -> None:
+    """Until ``count`` runs are ``running`` while the pass ``proc`` still lives (60 s at most)."""
+    deadline = time.monotonic() + 60
+    running = 0
+    while running < count and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+        with session_scope(settings) as session:
+            running = session.scalar(select(func.count()).select_from(Run).where(Run.status == "running"))
+    assert running == count and proc.poll() is None
