@@ -190,8 +190,13 @@ def _refuse_expired(
 ) -> None:
     """Refuse, changing nothing, a restore whose archived rows the retention purge
     deleted: it could not put back what was removed or overwritten, and would still take
-    out what was written in their place (a summary, without the entries it replaced)."""
-    if session.scalar(select(ArchivedEntry.id).where(archived_of).limit(1)) is not None:
+    out what was written in their place (a summary, without the entries it replaced).
+
+    The archived rows are locked here, so a purge that starts later waits for the
+    restore to commit, and one that committed first leaves none to find: they cannot go
+    between this look and the restore's read of them (the restore would otherwise take
+    out the summaries and put back nothing)."""
+    if session.scalars(select(ArchivedEntry.id).where(archived_of).with_for_update()).all():
         return
     changed = session.scalar(
         select(func.count()).where(events_of, Event.action.in_(("delete", "update")), Event.source != "restore")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from store.archive import restore_run
+from store.archive import Restored, restore_run
 from store.db import session_scope
 from store.memories import table_for
 from tasks.dream import dream_user
@@ -187,3 +187,63 @@ def test_a_run_restored_before_its_archive_rows_went_is_not_refused(pg_settings:
     assert run(["run", "--json"], env=env).returncode == 0
     again = run(["restore", "--run", str(outcome.run_id)], env=env)
     assert again.returncode == 0 and "restored 0 entries" in again.stdout, again.stderr
+
+
+def test_a_purge_that_overlaps_a_restore_waits_for_it_and_takes_no_memory_with_it(pg_settings: Settings) -> None:
+    """The archive's window has just passed when a restore starts; the restore waits on
+    a summary the application holds (a recall), and the retention purge runs meanwhile.
+    The purge must wait for the restore, which puts the originals back: never a restore
+    that takes out the summaries and then finds their originals purged."""
+    import threading
+    import time
+
+    import psycopg
+    from sqlalchemy import text
+
+    from tasks.retention import purge_expired
+
+    seed(pg_settings, [entry("u1", f"n{i}", f"note {i}", category="context") for i in range(5)])
+    outcome = dream_user(pg_settings, "u1")
+    assert outcome.entries_summarized == 5 and outcome.run_id is not None
+    with session_scope(pg_settings) as session:
+        session.execute(text("UPDATE dream_archive SET archived_at = archived_at - interval '31 days'"))
+    url = pg_settings.database_url.replace("+psycopg", "")
+    app = psycopg.connect(url)
+    app.execute("UPDATE usermemories SET access_count = access_count + 1 WHERE user_id = 'u1'")  # held
+    results: dict[str, object] = {}
+
+    def restore() -> None:
+        with session_scope(pg_settings) as session:
+            results["restore"] = restore_run(session, table_for(pg_settings), outcome.run_id or 0)
+
+    def purge() -> None:
+        results["purge"] = purge_expired(pg_settings).archive
+
+    def waiting(query: str) -> bool:
+        with psycopg.connect(url, autocommit=True) as look:
+            found = look.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE %s",
+                (query,),
+            ).fetchone()
+        return bool(found and found[0])
+
+    restoring = threading.Thread(target=restore)
+    restoring.start()
+    deadline = time.monotonic() + 20
+    while not waiting("%usermemories%") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert restoring.is_alive(), results
+    purging = threading.Thread(target=purge)
+    purging.start()
+    deadline = time.monotonic() + 5
+    while purging.is_alive() and not waiting("%DELETE FROM dream_archive%") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    app.commit()
+    app.close()
+    restoring.join(30)
+    purging.join(30)
+    restored = results["restore"]
+    assert isinstance(restored, Restored), results
+    assert restored.restored == 5 and restored.removed_inserts > 0, results
+    assert results["purge"] == 5  # the originals' archive rows, once the restore had put them back
+    assert sorted(r["key"] for r in entries_of(pg_settings, "u1").values()) == [f"n{i}" for i in range(5)]
