@@ -39,6 +39,7 @@ from store.memories import (
     user_keys,
 )
 from store.models import Contradiction
+from store.types import naive_utc
 from worker.keymatch import KeyMatcher, get_matcher
 from worker.policy import PolicyBook
 from worker.settings import Settings
@@ -72,11 +73,13 @@ def _fingerprint(rows: list[Any]) -> str:
 
 
 def _newest_first(rows: list[Any]) -> list[Any]:
-    return sorted(
-        rows,
-        key=lambda r: (r.updated_at or r.created_at or datetime.min, r.created_at or datetime.min, r.id),
-        reverse=True,
-    )
+    return sorted(rows, key=lambda r: (_time(r.updated_at or r.created_at), _time(r.created_at), r.id), reverse=True)
+
+
+def _time(stamp: datetime | None) -> datetime:
+    """A row's time to order by, naive UTC (a host's ``timestamptz`` column reads with a
+    zone); none (NULL, or a time past Python's range) the oldest."""
+    return naive_utc(stamp) if stamp is not None else datetime.min
 
 
 @dataclass

@@ -21,8 +21,9 @@ import psycopg
 import pytest
 import redis as redis_lib
 from psycopg import sql
+from sqlalchemy import text as sql_text
 
-from store.db import dispose_engines
+from store.db import dispose_engines, session_scope
 from store.migrate import upgrade
 from worker.settings import Settings
 
@@ -131,3 +132,18 @@ def make_settings(pg_settings: Settings) -> object:
         return _base_settings(database_url=pg_settings.database_url, **overrides)
 
     return build
+
+
+@pytest.fixture()
+def zoned_settings(pg_settings: Settings) -> Iterator[Settings]:
+    """A host memory table whose times are ``timestamptz``."""
+    with session_scope(pg_settings) as session:
+        session.execute(sql_text("CREATE TABLE zoned (LIKE usermemories INCLUDING ALL)"))
+        session.execute(
+            sql_text("ALTER TABLE zoned ALTER created_at TYPE timestamptz, ALTER updated_at TYPE timestamptz")
+        )
+    dispose_engines()
+    yield pg_settings.model_copy(update={"memory_table": "zoned"})
+    with session_scope(pg_settings) as session:
+        session.execute(sql_text("DROP TABLE zoned"))
+    dispose_engines()

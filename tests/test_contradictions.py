@@ -281,3 +281,29 @@ def test_with_detection_off_a_contradiction_whose_rows_are_gone_is_still_closed(
     else:
         dream_user(off, "u1")
     assert [c.status for c in _contradictions(settings)] == ["closed"]
+
+
+@pytest.mark.parametrize("missing", ["null", "-infinity"])
+def test_a_zoned_table_with_a_row_without_times_still_dreams_its_contradiction(
+    zoned_settings: Settings, missing: str
+) -> None:
+    """A host table whose times carry a zone, one row of a contradiction with no time
+    (NULL, or one past Python's range): the two are ordered, not a TypeError each pass."""
+    from sqlalchemy import text
+
+    settings = zoned_settings.model_copy(update={"summarize_interactions": False})
+    seed(
+        settings,
+        [entry("u1", "birthday", "1990-01-01", agent="a1"), entry("u1", "birthday", "1991-02-02", agent="a2")],
+    )
+    with session_scope(settings) as session:
+        session.execute(
+            text(
+                "UPDATE zoned SET created_at = CAST(:t AS timestamptz), updated_at = CAST(:t AS timestamptz), "
+                "access_count = 3 WHERE value = '\"1990-01-01\"'"
+            ),
+            {"t": None if missing == "null" else missing},
+        )
+    outcome = dream_user(settings, "u1")
+    assert outcome.status == "succeeded", outcome
+    assert outcome.contradictions_found == 1

@@ -111,21 +111,6 @@ def test_a_time_postgresql_calls_infinity_stops_no_profile(pg_settings: Settings
     assert [o.profiles_built for o in dream.dream_users(settings, users)] == [0, 1, 0, 0, 0]
 
 
-@pytest.fixture()
-def zoned_settings(pg_settings: Settings) -> Iterator[Settings]:
-    """A host memory table whose times are ``timestamptz``."""
-    with session_scope(pg_settings) as session:
-        session.execute(sql_text("CREATE TABLE zoned (LIKE usermemories INCLUDING ALL)"))
-        session.execute(
-            sql_text("ALTER TABLE zoned ALTER created_at TYPE timestamptz, ALTER updated_at TYPE timestamptz")
-        )
-    dispose_engines()
-    yield pg_settings.model_copy(update={"memory_table": "zoned"})
-    with session_scope(pg_settings) as session:
-        session.execute(sql_text("DROP TABLE zoned"))
-    dispose_engines()
-
-
 @pytest.mark.parametrize("citus", [False, True], ids=["one-statement", "fingerprints-compared-here"])
 def test_a_table_whose_times_carry_a_zone_rebuilds_nothing_when_nothing_changed(
     zoned_settings: Settings, monkeypatch: pytest.MonkeyPatch, citus: bool
