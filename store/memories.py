@@ -526,9 +526,11 @@ def _lock_unowned_key(session: Session, table: Table, user_id: str, key: str) ->
 
 
 def unchanged_since_read(session: Session, table: Table, rows: Sequence[Any]) -> ColumnElement[bool]:
-    """These rows, only while they still hold the key, value and ``updated_at`` they were
-    read with: a DELETE with this condition leaves a row the application changed since
-    (PostgreSQL re-checks it on the new row version when the DELETE waited for its lock)."""
+    """These rows, only while they still hold the key, value, category, visibility,
+    owner and ``updated_at`` they were read with: a DELETE with this condition leaves a
+    row the application changed since, in any column that decides whether it may be
+    removed (PostgreSQL re-checks it on the new row version when the DELETE waited for
+    its lock)."""
     postgres = session.get_bind().dialect.name == "postgresql"
     conditions: list[ColumnElement[bool]] = []
     for row in rows:
@@ -549,6 +551,9 @@ def unchanged_since_read(session: Session, table: Table, rows: Sequence[Any]) ->
                 one_entry(table, row.user_id, row.id),
                 table.c.key == row.key,
                 same_value,
+                table.c.category.is_not_distinct_from(row.category),
+                table.c.visibility.is_not_distinct_from(row.visibility),
+                table.c.source_agent_id.is_not_distinct_from(row.source_agent_id),
                 # As the row was read: on PostgreSQL, in Python's range (:func:`loadable_columns`).
                 (in_range_time(table.c.updated_at) if postgres else table.c.updated_at).is_not_distinct_from(
                     row.updated_at

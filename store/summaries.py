@@ -30,20 +30,26 @@ class NewEntry:
 
 
 def snapshot(row: Any) -> tuple[Any, ...]:
-    """What must not have changed between the model call and the write."""
-    value = row.value
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            value = json.loads(value)
+    """What must not have changed between the model call and the write: the groups
+    too, as the summary is shared with the groups its originals had when read."""
     return (
         row.id,
         row.key,
-        json.dumps(value, sort_keys=True),
+        _canonical(row.value),
         row.category,
         row.visibility,
         row.source_agent_id,
+        _canonical(row.group_ids),
         row.updated_at,
     )
+
+
+def _canonical(value: Any) -> str:
+    """A JSON column's value as canonical JSON (SQLite may hand JSON back as text)."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    return json.dumps(value, sort_keys=True)
 
 
 def _taken_keys(session: Session, table: Table, user_id: str) -> set[str]:

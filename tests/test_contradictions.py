@@ -106,6 +106,38 @@ def test_keep_newest_never_removes_protected_rows(pg_settings: Settings) -> None
     assert keys_of(settings, "u1") == {"passport"} and len(entries_of(settings, "u1")) == 2
 
 
+@pytest.mark.parametrize(
+    "change", [{"category": "property"}, {"visibility": "global"}, {"source_agent_id": "c"}], ids=str
+)
+def test_keep_newest_leaves_a_row_the_application_changed_after_the_read(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, change: dict[str, str]
+) -> None:
+    """Between the read and the delete the application protects the older row (or
+    shares it, or gives it to another agent): it is no longer what was judged, and stays."""
+    import tasks.contradictions
+
+    settings = _settings(pg_settings, contradiction_resolution="keep_newest")
+    old, _ = seed(
+        settings,
+        [entry("u1", "city", "Berlin", agent="a", age_days=10), entry("u1", "City", "Paris", agent="b", age_days=1)],
+    )
+    judged = tasks.contradictions._losers
+    table = table_for(settings)
+
+    def app_writes_meanwhile(*args: object) -> list[object]:
+        losers = judged(*args)  # type: ignore[arg-type]
+        with session_scope(settings) as session:
+            session.execute(update(table).where(table.c.id == old["id"]).values(**change))
+        return losers
+
+    monkeypatch.setattr(tasks.contradictions, "_losers", app_writes_meanwhile)
+    outcome = dream_user(settings, "u1")
+    assert outcome.status == "succeeded"
+    assert old["id"] in entries_of(settings, "u1")
+    with session_scope(settings) as session:
+        assert session.scalars(select(ArchivedEntry)).all() == []
+
+
 def test_gdpr_keys_are_left_alone(pg_settings: Settings) -> None:
     settings = _settings(pg_settings)
     seed(settings, [entry("u1", "_gdpr_consent", "yes", agent="a"), entry("u1", "_GDPR_consent", "no", agent="b")])

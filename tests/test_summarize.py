@@ -171,15 +171,20 @@ def test_protected_and_conflicted_entries_are_not_summarized(pg_settings: Settin
     assert dream_user(pg_settings, "u1").entries_summarized == 0
 
 
-def test_changed_original_defers_the_group(pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    originals = seed(pg_settings, _six())
+@pytest.mark.parametrize("change", [{"value": "changed"}, {"group_ids": ["g1"]}], ids=["value", "group_ids"])
+def test_changed_original_defers_the_group(
+    pg_settings: Settings, monkeypatch: pytest.MonkeyPatch, change: dict[str, Any]
+) -> None:
+    # A group's share narrowed meanwhile counts too: the summary would be shared with the
+    # groups the originals had when read.
+    originals = seed(pg_settings, _six(group_ids=["g1", "g2"]))
     from store.memories import table_for
 
     table = table_for(pg_settings)
 
     def app_writes_meanwhile(purpose: str, task: Any) -> str:
         with session_scope(pg_settings) as session:
-            session.execute(table.update().where(table.c.id == originals[0]["id"]).values(value="changed"))
+            session.execute(table.update().where(table.c.id == originals[0]["id"]).values(**change))
         return json.dumps([{"key": "s", "value": "v"}])
 
     monkeypatch.setattr(offline_model, "answer", app_writes_meanwhile)
