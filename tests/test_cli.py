@@ -222,9 +222,35 @@ def test_the_payload_size_limit_counts_the_text_the_command_line_writes(pg_setti
     event = {"action": "paid", "at": "2026-11-27T09:00:00Z", "attributes": {"amount": "AMOUNT"}}
     text = json.dumps({"events": [event]}).replace('"AMOUNT"', digits)
     refused = run(["enqueue", "activity", "--user", "u1", "--payload", "-"], env=env, stdin=text)
-    assert_one_line_error(refused, f"payload: is {len(text)} bytes; at most 2000 allowed")
+    assert_one_line_error(refused, "payload: is over 2000 bytes; at most 2000 allowed")
     listed = run(["signals", "list", "--json"], env=env)
     assert listed.returncode == 0 and listed.stdout == "", listed.stdout
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "-"], ids=["endless-file", "endless-stdin"])
+def test_an_endless_payload_is_refused_past_the_limit_without_being_held(pg_settings: Settings, source: str) -> None:
+    """``--payload /dev/zero`` (or a producer's pipe that never ends) is refused once it
+    passes the limit: the command reads no further, in 2 GiB of address space."""
+    import resource
+
+    def two_gib() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    full_env["REVERIE_DATABASE_URL"] = pg_settings.database_url
+    with open("/dev/zero", "rb") as zeros:
+        refused = subprocess.run(
+            [*REVERIE, "enqueue", "activity", "--user", "u1", "--payload", source],
+            stdin=zeros,
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=120,
+            check=False,
+            preexec_fn=two_gib,
+        )
+    assert_one_line_error(refused, "payload: is over 1048576 bytes; at most 1048576 allowed")
+    assert refused.returncode == 1
 
 
 @pytest.mark.parametrize(

@@ -21,10 +21,20 @@ app.add_typer(signals_app, name="signals")
 STATUSES = ("pending", "processing", "done", "rejected", "failed", "dead")
 
 
-def _read_payload(source: str) -> str:
-    """The payload's text (whether it is JSON is for the producer to say)."""
+def _read_payload(source: str, limit: int) -> str:
+    """The payload's text (whether it is JSON is for the producer to say), read no
+    further than one byte past ``limit``: a larger one is refused without holding it
+    (a payload file of /dev/zero would otherwise take every byte of memory)."""
     try:
-        raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
+        if source == "-":
+            raw = sys.stdin.buffer.read(limit + 1)
+        else:
+            with Path(source).open("rb") as handle:
+                raw = handle.read(limit + 1)
+        if len(raw) > limit:
+            from worker.errors import InvalidSignal
+
+            raise InvalidSignal("payload", f"is over {limit} bytes; at most {limit} allowed")
         return raw.decode("utf-8")
     except OSError as exc:
         fail(f"cannot read payload file {source}: {exc.strerror}")
@@ -47,8 +57,8 @@ def enqueue(
     from worker.producer import enqueue_signal_json
 
     check_kind(kind)  # before reading stdin, so a typo fails at once
-    text = _read_payload(payload)
     settings = load_settings()
+    text = _read_payload(payload, settings.max_payload_bytes)
     result = enqueue_signal_json(kind, user, text, agent_id=agent, idempotency_key=idempotency_key, settings=settings)
     if result.created:
         print(f"enqueued signal {result.signal_id} ({kind}), idempotency key {result.idempotency_key}")
