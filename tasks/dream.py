@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -68,6 +68,9 @@ class RunOutcome:
     #: Deferred work worth another try at the next pass (see ``SummaryCounts.retry_soon``;
     #: or profiles a transient error kept from being rebuilt).
     retry_soon: bool = False
+    #: Deferred work the day's budget could not pay for: dreamed again once the day's
+    #: budgets are new (``SummaryCounts.retry_next_day``), if not scheduled before.
+    retry_next_day: bool = False
     cost_usd: float = 0.0
     error: str | None = None
     # Profiles written for the user by this run (0: their memory had not changed).
@@ -582,6 +585,7 @@ def _summarize(
     outcome.entries_written = summary.written
     outcome.groups_deferred = summary.deferred
     outcome.retry_soon = summary.retry_soon > 0
+    outcome.retry_next_day = summary.retry_next_day
     outcome.error = summary.note()  # the ledger says what was deferred, and why
 
 
@@ -605,7 +609,7 @@ def _finish(
         runs.finish_run(
             session, run_id, status=outcome.status, counts=outcome.counts(), cost_nano=cost_nano, error=outcome.error
         )
-        next_at = schedule.next_dreams([user_id], db_now(session), settings.dream_interval)[user_id]
+        next_at = _next_dreams(session, settings, [user_id], [outcome])[user_id]
         schedule.mark_dreamed(session, user_id, started, next_at)
         if outcome.retry_soon:
             # Work left over (budget, transient errors) is carried to the next pass; a
@@ -615,6 +619,20 @@ def _finish(
     # Retried on a lost connection: a run must not stay "running" because one died.
     closing_transaction(settings, close)
     _report(settings, outcome)
+
+
+def _next_dreams(
+    session: Session, settings: Settings, users: list[str], outcomes: Iterable[RunOutcome]
+) -> dict[str, datetime]:
+    """When each user dreams next: their next slot, or the start of the next day (UTC,
+    when the day's budgets are new) for a user whose work the day's budget deferred."""
+    at = db_now(session)
+    next_at = schedule.next_dreams(users, at, settings.dream_interval)
+    tomorrow = budget.next_day_start(at)
+    for outcome in outcomes:
+        if outcome.retry_next_day and outcome.user_id in next_at:
+            next_at[outcome.user_id] = min(next_at[outcome.user_id], tomorrow)
+    return next_at
 
 
 def _close_lost(session: Session, keeper: LeaseKeeper, outcome: RunOutcome, cost_nano: int) -> None:
@@ -911,7 +929,7 @@ class _Chunk:
             for outcome in outcomes:
                 if outcome.user_id not in held:
                     _close_lost(session, self.keeper, outcome, costs.get(outcome.run_id or 0, 0))
-            next_at = schedule.next_dreams(sorted(held), db_now(session), self.settings.dream_interval)
+            next_at = _next_dreams(session, self.settings, sorted(held), outcomes)
             schedule.mark_dreamed_many(session, next_at, self.at)
             # Work left over (budget, time, transient errors) is carried to the next pass.
             # (A group the model could not summarize waits for the next scheduled dream.)

@@ -73,11 +73,15 @@ class SummaryCounts:
     budget_scope: str | None = None
     #: Why groups were deferred to the next run, with counts.
     reasons: Counter[str] = field(default_factory=Counter)
-    #: Deferred groups worth another try soon (the budget, a transient error, a group
-    #: changed meanwhile); the others (an unusable reply, a group too long for the
-    #: model) would most likely fail, and be paid for, the same way again: they wait
-    #: for the user's next scheduled dream.
+    #: Deferred groups worth another try soon (a run's cap used up by this run's other
+    #: groups, a transient error, a group changed meanwhile); the others (an unusable
+    #: reply, a group too long for the model, a cap that pays for no call: the day's,
+    #: or a run's that paid for nothing) would most likely fail, or be refused, the same
+    #: way again: they wait for the user's next scheduled dream.
     retry_soon: int = 0
+    #: Groups the day's budget (or the user's for the day) could not pay for: tried
+    #: again once the day's budgets are new, if the next scheduled dream is later.
+    retry_next_day: bool = False
 
     def note(self) -> str | None:
         """One line for the run's ledger: what was deferred and why (None: nothing was)."""
@@ -287,6 +291,18 @@ class _Pass:
         self.counts.reasons[reason[:160]] += 1
         log.info("summarize_group_deferred", user=user_ref(self.user_id), reason=reason[:200])
 
+    def _out_of_budget(self) -> None:
+        """A group the budget cannot pay for: tried again at the next pass only where a
+        new run can pay for it, as when this run's cap ran out after paying for other
+        groups. A run cap that paid for nothing here (too small for any call) would
+        refuse it again: it waits for the next scheduled dream; the day's (or the user's
+        for the day) until the day's budgets are new (:attr:`SummaryCounts.retry_next_day`).
+        Re-dreaming after each dirty delay would only fill the ledger."""
+        self.counts.deferred += 1
+        self.counts.retry_soon += self.counts.budget_scope == "run" and self.counts.cost_usd > 0
+        self.counts.retry_next_day = self.counts.retry_next_day or self.counts.budget_scope in ("day", "user")
+        self.counts.reasons[f"{self.counts.budget_scope} budget exhausted"] += 1
+
     def summarize(self, group: list[Any], target: int, min_entries: int) -> None:
         try:
             reply = self._call(group, target)
@@ -327,9 +343,7 @@ class _Pass:
         messages = build_messages(group, target)
         floor = min_output_tokens(settings, group)
         if self.budget_left is not None and llm.reservation_floor_nano(settings, messages, floor) > self.budget_left:
-            self.counts.deferred += 1
-            self.counts.retry_soon += 1
-            self.counts.reasons[f"{self.counts.budget_scope} budget exhausted"] += 1
+            self._out_of_budget()
             return None
         try:
             reply = llm.complete(
@@ -345,11 +359,9 @@ class _Pass:
         except BudgetExhausted as exhausted:
             if self.budget_left is None:
                 log.info("summarize_budget_exhausted", user=user_ref(self.user_id), scope=exhausted.scope)
-            self.counts.deferred += 1
-            self.counts.retry_soon += 1
             self.counts.budget_scope = exhausted.scope
-            self.counts.reasons[f"{exhausted.scope} budget exhausted"] += 1
             self.budget_left = usd_to_nano(exhausted.remaining)
+            self._out_of_budget()
             return None
         except llm.MalformedReply as exc:
             self._defer(f"unusable reply: {exc.reason}")

@@ -14,6 +14,7 @@ import store.summaries
 from store.db import session_scope
 from store.memories import table_for
 from store.models import ArchivedEntry
+from store.types import db_now
 from tasks.dream import dream_user
 from tasks.summarize import UnusableReply, groups_of, parse_reply
 from tests.dream_seed import entries_of, entry, seed
@@ -239,12 +240,43 @@ def test_a_group_the_model_cannot_summarize_waits_for_the_next_scheduled_dream(
     assert chunked.groups_deferred == 1 and not _dirty(pg_settings, "u2")
 
 
-def test_a_group_the_budget_cannot_pay_for_is_tried_again_at_the_next_pass(pg_settings: Settings) -> None:
-    settings = pg_settings.model_copy(update={"max_cost_per_day": 1e-9})
+def _next_dream(settings: Settings, user: str) -> Any:
+    from store.models import UserState
+
+    with session_scope(settings) as session:
+        state = session.get(UserState, user)
+        return state.next_dream_at if state is not None else None
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-user", "chunk"])
+def test_a_group_the_days_budget_cannot_pay_for_waits_for_the_next_day_not_the_next_pass(
+    pg_settings: Settings, chunked: bool
+) -> None:
+    """The day's budget is spent: every dirty delay until midnight would be refused
+    again (a run, a ledger row, each time). The user dreams again when the day's
+    budgets are new."""
+    from tasks.dream import dream_users
+    from worker.budget import next_day_start
+
+    # Dreams a month apart: the next slot is all but surely after tomorrow.
+    settings = pg_settings.model_copy(update={"max_cost_per_day": 1e-9, "dream_interval_hours": 720.0})
+    seed(settings, _six())
+    with session_scope(settings) as session:
+        tomorrow = next_day_start(db_now(session))
+    outcome = dream_users(settings, ["u1"])[0] if chunked else dream_user(settings, "u1")
+    assert outcome.groups_deferred == 1 and "day budget exhausted" in (outcome.error or "")
+    assert not _dirty(settings, "u1")
+    assert _next_dream(settings, "u1") <= tomorrow
+
+
+def test_a_run_cap_too_small_for_any_call_does_not_dream_the_user_again_at_the_next_pass(
+    pg_settings: Settings,
+) -> None:
+    settings = pg_settings.model_copy(update={"max_cost_per_run": 0.0})
     seed(settings, _six())
     outcome = dream_user(settings, "u1")
-    assert outcome.groups_deferred == 1 and "budget exhausted" in (outcome.error or "")
-    assert _dirty(settings, "u1")
+    assert outcome.groups_deferred == 1 and "run budget exhausted" in (outcome.error or "")
+    assert not _dirty(settings, "u1")
 
 
 def test_an_application_edit_landing_as_the_summary_is_written_is_never_removed_unsummarized(
