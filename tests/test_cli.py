@@ -992,6 +992,48 @@ def test_a_broker_url_with_its_password_in_the_query_is_a_setting_error_not_a_cr
         assert "s3" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("redis://:s3@127.0.0.1:99999/0", "port"),
+        ("redis://:s3@127.0.0.1:abc/0", "port"),
+        ("redis://:s3@127.0.0.1:6379/abc", "database number"),
+    ],
+    ids=["port-out-of-range", "port-not-a-number", "database-not-a-number"],
+)
+def test_a_broker_url_the_client_cannot_read_is_refused_before_a_signal_is_written(
+    pg_settings: Settings, url: str, needle: str
+) -> None:
+    # Not a crash after the signal was committed (the wake-up reads the URL after it).
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": url}
+    for args in (["health", "--broker"], ["enqueue", "activity", "--user", "u1", "--payload", "-"]):
+        result = run(args, env=env, stdin=ACTIVITY)
+        assert result.returncode == 1
+        assert_one_line_error(result, "REVERIE_BROKER_URL", needle)
+        assert "s3" not in result.stderr
+    listed = run(["signals", "list", "--json"], env={"REVERIE_DATABASE_URL": pg_settings.database_url})
+    assert listed.stdout.strip() == ""
+
+
+def test_health_of_a_broker_that_takes_the_connection_and_never_replies_fails_in_time(
+    pg_settings: Settings,
+) -> None:
+    import socket
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        env = {"REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_BROKER_URL": f"redis://127.0.0.1:{port}/0"}
+        started = time.monotonic()
+        result = run(["health", "--broker"], env=env)
+        took = time.monotonic() - started
+    assert_one_line_error(result, "does not answer")
+    assert result.returncode == 1
+    assert took < 60, took  # the run() helper's own limit is 120 s; the check's, 5 s
+
+
 @pytest.mark.parametrize("agent", ["*", ""])
 def test_policy_set_refuses_the_defaults_row_and_an_empty_agent(pg_settings: Settings, agent: str) -> None:
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url}

@@ -285,7 +285,15 @@ class Settings(BaseSettings):
         # again in its query (it fails with a TypeError at the first connection).
         from urllib.parse import parse_qsl, urlsplit
 
-        taken = sorted({name for name, _ in parse_qsl(urlsplit(url).query)} & _BROKER_URL_PARTS)
+        parts = urlsplit(url)
+        try:
+            parts.port  # noqa: B018 (read to check it)
+        except ValueError:
+            raise ValueError("has a port that is not a number from 0 to 65535") from None
+        number = parts.path.strip("/")
+        if number and not number.isdigit():
+            raise ValueError("has a path that is not a Redis database number (redis://host:6379/0)")
+        taken = sorted({name for name, _ in parse_qsl(parts.query)} & _BROKER_URL_PARTS)
         if taken:
             raise ValueError(
                 f"has {', '.join(taken)} in its query: "

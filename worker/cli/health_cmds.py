@@ -50,17 +50,39 @@ def health(
 
 
 def _check_broker(url: str) -> None:
-    from kombu.connection import Connection
-    from kombu.exceptions import OperationalError
+    """The broker answers within ``BROKER_TIMEOUT_SECONDS``, whatever it does: a peer
+    that takes the connection and never replies (or a TLS URL on a plain port, whose
+    handshake waits forever) fails the check in time, not hangs the probe."""
+    import threading
 
     from store.db import safe_url
 
-    try:
-        with Connection(url, connect_timeout=BROKER_TIMEOUT_SECONDS) as connection:  # type: ignore[no-untyped-call]
-            connection.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT_SECONDS)
-    except (OperationalError, OSError) as exc:
+    outcome: list[BaseException | None] = []
+    checking = threading.Thread(target=_ping_broker, args=(url, outcome), daemon=True)
+    checking.start()
+    checking.join(BROKER_TIMEOUT_SECONDS + 1)
+    if not outcome:
+        fail(f"broker {safe_url(url)} does not answer: no reply within {BROKER_TIMEOUT_SECONDS:g} s")
+    exc = outcome[0]
+    if exc is not None:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         fail(f"broker {safe_url(url)} does not answer: {reason}")
+
+
+def _ping_broker(url: str, outcome: list[BaseException | None]) -> None:
+    from kombu.connection import Connection
+    from kombu.exceptions import OperationalError
+
+    timeouts = {"socket_timeout": BROKER_TIMEOUT_SECONDS, "socket_connect_timeout": BROKER_TIMEOUT_SECONDS}
+    try:
+        with Connection(  # type: ignore[no-untyped-call]
+            url, connect_timeout=BROKER_TIMEOUT_SECONDS, transport_options=timeouts
+        ) as connection:
+            connection.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT_SECONDS)
+            connection.default_channel.client.ping()
+        outcome.append(None)
+    except (OperationalError, OSError, ValueError) as exc:
+        outcome.append(exc)
 
 
 def _check_metrics(port: int) -> None:
