@@ -1075,10 +1075,12 @@ def test_a_memory_table_reverie_cannot_work_on_fails_health_run_and_the_worker_u
         "REVERIE_LOG_HASH_KEY": "a-secret-of-the-tests-own-0123456789",
     }
     try:
-        for args in (["health"], ["run", "--all"]):
+        # migrate too: it exited 0 and scheduled the table's users for workers that refuse it.
+        for args in (["health"], ["run", "--all"], ["migrate"]):
             result = run(args, env=env)
             assert result.returncode == 1, (args, result.stdout)
             assert_one_line_error(result, "the memory table hostmem", said)
+            assert "scheduled" not in result.stdout
     finally:
         with session_scope(pg_settings) as session:
             session.execute(sql("DROP TABLE hostmem"))

@@ -15,9 +15,13 @@ def migrate() -> None:
     """Bring the database at REVERIE_DATABASE_URL to the current schema (idempotent)."""
     from schedules.dispatcher import adopt
     from store.db import safe_url
+    from store.memories import check_memory_table
     from store.migrate import upgrade
 
     settings = load_settings(database_must_exist=False)
+    # A host's memory table Reverie cannot work on is said up front, by table and
+    # column: not as a migration's SQL error, nor after a migration that succeeded.
+    check_memory_table(settings)
     before, after = upgrade(settings)  # checks the connection (and the server) first
     where = safe_url(settings.database_url)
     if before == after:
