@@ -475,6 +475,47 @@ def test_erase_user_asks_on_a_terminal_and_no_keeps_everything(pg_settings: Sett
     assert _memory_rows(pg_settings, "u-keep") == 0
 
 
+def test_a_settings_file_that_is_not_utf8_is_named_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_bytes(b"garbage\n\x00\xff\n")
+    result = run(["health"], cwd=tmp_path)
+    assert result.returncode == 1
+    assert_one_line_error(result, f"the settings file {tmp_path.resolve() / '.env'} is not UTF-8 text")
+
+
+def test_ctrl_c_at_the_erase_question_is_an_interruption_exit_130(pg_settings: Settings) -> None:
+    import pty
+    import select
+    import signal
+    import time
+
+    _seed_one_entry(pg_settings, "u-keep")
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    full_env["REVERIE_DATABASE_URL"] = pg_settings.database_url
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [*REVERIE, "erase-user", "u-keep"],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full_env,
+        )
+        assert proc.stdout is not None
+        asked = b""
+        deadline = time.monotonic() + 60
+        while b"[y/N]" not in asked and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                asked += os.read(proc.stdout.fileno(), 4096)
+        assert b"[y/N]" in asked
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert proc.returncode == 130
+    assert _memory_rows(pg_settings, "u-keep") == 1
+
+
 def test_erase_user_yes_skips_the_question_on_a_terminal(pg_settings: Settings) -> None:
     _seed_one_entry(pg_settings, "u-gone")
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url}

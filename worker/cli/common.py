@@ -138,7 +138,10 @@ def load_settings(*, database_must_exist: bool = True) -> Settings:
     from worker.logging_setup import configure_logging
     from worker.settings import get_settings
 
-    settings = get_settings()
+    try:
+        settings = get_settings()
+    except UnicodeDecodeError:
+        fail(f"the settings file {Path('.env').resolve()} is not UTF-8 text")
     # Every command's log lines go to stderr, in the configured format: on stdout they
     # would break ``--json``.
     configure_logging(settings)

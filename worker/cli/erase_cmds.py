@@ -44,7 +44,7 @@ def erase_user(
         fail(str(exc), code=2)
     settings = load_settings()
     if not yes and sys.stdin.isatty():
-        typer.confirm(f"Erase every row of user {user!r} everywhere? This cannot be undone", abort=True)
+        _confirm(f"Erase every row of user {user!r} everywhere? This cannot be undone")
     from tasks.erase import lease_wait
     from worker.errors import UserBusy
 
@@ -63,3 +63,16 @@ def erase_user(
 
 def _waiting(user: str, seconds: float) -> None:
     print(f"waiting for the dream of user {user!r} under way to end (up to {seconds:.0f} s)...", file=sys.stderr)
+
+
+def _confirm(question: str) -> None:
+    """Ask on the terminal; anything but yes ends the command (exit 1), and Ctrl-C is
+    an interruption (exit 130), as everywhere else: ``typer.confirm`` makes both exit 1."""
+    print(f"{question} [y/N]: ", end="", flush=True)
+    try:
+        answer = sys.stdin.readline()
+    except KeyboardInterrupt:
+        print()
+        raise
+    if answer.strip().lower() not in ("y", "yes"):
+        fail("not erased: the question was not answered yes")
