@@ -52,6 +52,7 @@ from store.memories import (
     SQL_NULL_KEY,
     Removed,
     archive_rows,
+    base_type,
     bytes_of,
     for_text,
     host_columns,
@@ -397,9 +398,8 @@ class _Writer:
         """The JSON columns' names and their SQL types (``JSON`` or ``JSONB``), once per restore."""
         if self._json is None:
             dialect = self.session.get_bind().dialect
-            self._json = {
-                c["name"]: str(c["type"].compile(dialect)) for c in self._columns() if isinstance(c["type"], JSON)
-            }
+            kinds = {c["name"]: base_type(c["type"]) for c in self._columns()}
+            self._json = {name: str(kind.compile(dialect)) for name, kind in kinds.items() if isinstance(kind, JSON)}
         return self._json
 
     def _done(self, data: dict[str, Any], *, recalls: int | None = None) -> None:

@@ -106,11 +106,16 @@ def check_memory_table(settings: Settings) -> None:
     if settings.is_sqlite:
         return
     for name, (family, word) in _COLUMN_KINDS.items():
-        kind = found[name]
-        while isinstance(kind, DOMAIN):
-            kind = kind.data_type  # a domain is what its base type is
+        kind = base_type(found[name])
         if not isinstance(kind, family):
             raise ConfigError(f"{where}: column {name} is {kind}; Reverie needs {word} there")
+
+
+def base_type(kind: Any) -> Any:
+    """A reflected column type, a domain's as its base type (a domain is what its base is)."""
+    while isinstance(kind, DOMAIN):
+        kind = kind.data_type
+    return kind
 
 
 def quoted_name(session: Session, table: Table) -> str:
@@ -168,9 +173,12 @@ def json_column_names(session: Session, table: Table) -> list[str]:
     return [str(row[0]) for row in found]
 
 
+#: A domain counts as its base type (two levels of domains deep).
 _JSON_COLUMNS = text(
-    "SELECT attname FROM pg_attribute WHERE attrelid = CAST(:table AS regclass) AND attnum > 0 "
-    "AND NOT attisdropped AND atttypid IN (CAST('json' AS regtype), CAST('jsonb' AS regtype)) ORDER BY attnum"
+    "SELECT a.attname FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+    "LEFT JOIN pg_type b ON b.oid = t.typbasetype LEFT JOIN pg_type c ON c.oid = b.typbasetype "
+    "WHERE a.attrelid = CAST(:table AS regclass) AND a.attnum > 0 AND NOT a.attisdropped "
+    "AND COALESCE(c.oid, b.oid, t.oid) IN (CAST('json' AS regtype), CAST('jsonb' AS regtype)) ORDER BY a.attnum"
 )
 
 

@@ -424,6 +424,32 @@ def test_a_json_column_the_host_adds_or_drops_while_reverie_runs(pg_settings: Se
     assert dream_user(settings, "u3").status == "succeeded"
 
 
+def test_a_host_column_of_a_domain_over_jsonb_keeps_json_null_apart_from_sql_null(pg_settings: Settings) -> None:
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    with session_scope(settings) as session:
+        session.execute(text("CREATE DOMAIN jdom AS jsonb"))
+        session.execute(text("CREATE DOMAIN jdom2 AS jdom"))
+        session.execute(text("ALTER TABLE usermemories ADD COLUMN attrs jdom, ADD COLUMN deeper jdom2"))
+    try:
+        seed(settings, [entry("u1", "json_null", "a", age_days=300), entry("u1", "sql_null", "b", age_days=300)])
+        with session_scope(settings) as session:
+            session.execute(text("UPDATE usermemories SET attrs = 'null', deeper = 'null' WHERE key = 'json_null'"))
+        pruned = dream_user(settings, "u1")
+        assert pruned.entries_pruned == 2 and pruned.run_id is not None
+        with session_scope(settings) as session:
+            restore_run(session, table_for(settings), pruned.run_id)
+            found = session.execute(
+                text("SELECT key, attrs IS NULL, deeper IS NULL FROM usermemories WHERE user_id = 'u1'")
+            ).all()
+            back = {key: (attrs, deeper) for key, attrs, deeper in found}
+        assert back == {"json_null": (False, False), "sql_null": (True, True)}
+    finally:
+        with session_scope(settings) as session:
+            session.execute(text("ALTER TABLE usermemories DROP COLUMN attrs, DROP COLUMN deeper"))
+            session.execute(text("DROP DOMAIN jdom2"))
+            session.execute(text("DROP DOMAIN jdom"))
+
+
 def test_an_archive_row_from_before_the_null_tag_restores_its_null_as_the_json_value(pg_settings: Settings) -> None:
     """An archive row written by an older release (no tag naming SQL NULL columns): a
     null in it, which could have been either, comes back as the JSON value ``null``."""
