@@ -57,12 +57,17 @@ def refresh(session: Session, contradiction_id: int, entry_ids: list[str], finge
     )
 
 
-def close(session: Session, contradiction_ids: list[int], at: datetime) -> None:
+def close(session: Session, contradiction_ids: list[int], at: datetime, *, resolution: str | None = None) -> None:
+    """Close open contradictions; ``resolution``: how, where it is not how they were
+    found (one flagged before, resolved by ``keep_newest`` since)."""
     if contradiction_ids:
+        values: dict[str, Any] = {"status": "closed", "closed_at": at}
+        if resolution is not None:
+            values["resolution"] = resolution
         session.execute(
             update(Contradiction)
             .where(Contradiction.id.in_(contradiction_ids), Contradiction.status == "open")
-            .values(status="closed", closed_at=at)
+            .values(**values)
         )
 
 

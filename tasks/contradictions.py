@@ -141,7 +141,7 @@ class _Pass:
                 # Resolved: the values that remain agree.
                 self.writes.flag(self.user_id, [r.id for r in survivors], False)
                 if existing is not None:
-                    store.close(self.session, [existing.id], self.at)
+                    store.close(self.session, [existing.id], self.at, resolution="keep_newest")
                 else:
                     self.record(norm_key, rows, "keep_newest", closed=True)
                 self.resolved += 1

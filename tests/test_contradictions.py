@@ -138,6 +138,19 @@ def test_keep_newest_leaves_a_row_the_application_changed_after_the_read(
         assert session.scalars(select(ArchivedEntry)).all() == []
 
 
+def test_a_flagged_contradiction_resolved_later_by_keep_newest_reads_keep_newest(pg_settings: Settings) -> None:
+    seed(
+        pg_settings,
+        [entry("u1", "city", "Berlin", agent="a", age_days=10), entry("u1", "City", "Paris", agent="b", age_days=1)],
+    )
+    assert dream_user(_settings(pg_settings), "u1").contradictions_found == 1  # flagged
+    outcome = dream_user(_settings(pg_settings, contradiction_resolution="keep_newest"), "u1")
+    assert outcome.contradictions_resolved == 1
+    with session_scope(pg_settings) as session:
+        found = session.execute(select(Contradiction.status, Contradiction.resolution)).all()
+    assert [tuple(row) for row in found] == [("closed", "keep_newest")]
+
+
 def test_gdpr_keys_are_left_alone(pg_settings: Settings) -> None:
     settings = _settings(pg_settings)
     seed(settings, [entry("u1", "_gdpr_consent", "yes", agent="a"), entry("u1", "_GDPR_consent", "no", agent="b")])
