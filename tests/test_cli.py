@@ -1075,6 +1075,14 @@ def test_health_of_a_broker_that_takes_the_connection_and_never_replies_fails_in
     assert took < 60, took  # the run() helper's own limit is 120 s; the check's, 5 s
 
 
+@pytest.mark.parametrize("agent", ["", "a" * 300], ids=["empty", "too-long"])
+def test_policy_show_refuses_an_agent_id_policy_set_refuses(pg_settings: Settings, agent: str) -> None:
+    env = {"REVERIE_DATABASE_URL": pg_settings.database_url}
+    result = run(["policy", "show", agent], env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert_one_line_error(result, "agent")
+
+
 @pytest.mark.parametrize("agent", ["*", ""])
 def test_policy_set_refuses_the_defaults_row_and_an_empty_agent(pg_settings: Settings, agent: str) -> None:
     env = {"REVERIE_DATABASE_URL": pg_settings.database_url}

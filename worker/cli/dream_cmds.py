@@ -262,7 +262,14 @@ def policy_show(
     "overrides"), and, for all agents, the defaults under "*"."""
     from store import policies
     from store.db import session_scope
+    from worker.errors import InvalidSignal
+    from worker.payloads import check_lookup
 
+    if agent is not None:
+        try:
+            check_lookup("agent", agent)  # as `policy set` and every other command take it
+        except InvalidSignal as exc:
+            fail(str(exc), code=2)
     settings = load_settings()
     with session_scope(settings) as session:
         configs = policies.all_configs(session) if agent is None else {agent: policies.get_config(session, agent) or {}}
