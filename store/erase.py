@@ -40,7 +40,10 @@ def erase_user(
     transaction commits are processed normally.
     """
     counts: dict[str, int] = {}
+    # A signal's own budget line is keyed by its id: the user's too.
+    signal_keys = [str(i) for i in session.scalars(select(Signal.id).where(Signal.user_id == user_id))]
     counts[Signal.__tablename__] = _delete(session, Signal.__table__, user_id)  # type: ignore[arg-type]
+    _delete_lines(session, "signal", signal_keys, counts)
     # Routine detection writes memories from activity rows it read earlier: this waits
     # for a detection writing this user's (its writes committed, then erased below) and
     # holds off the next until this commits (it then finds the events it read gone).
@@ -58,11 +61,7 @@ def erase_user(
             for key in session.scalars(select(Spend.scope_key).where(Spend.scope == "run"))
             if key.split("/", 1)[0] in run_ids
         ]
-        for start in range(0, len(keys), 500):
-            result = session.execute(
-                delete(Spend).where(Spend.scope == "run", Spend.scope_key.in_(keys[start : start + 500]))
-            )
-            counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + int(getattr(result, "rowcount", 0) or 0)
+        _delete_lines(session, "run", keys, counts)
     lines = delete_user_lines(session, user_id)
     if lines:
         counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + lines
@@ -103,3 +102,12 @@ def rows_about(session: Session, settings: Settings, user_id: str) -> dict[str, 
         table.name: int(session.scalar(select(func.count()).select_from(table).where(table.c.user_id == user_id)) or 0)
         for table in tables
     }
+
+
+def _delete_lines(session: Session, scope: str, keys: list[str], counts: dict[str, int]) -> None:
+    """Delete these budget lines of ``scope``, in batches, counted under ``dream_spend``."""
+    for start in range(0, len(keys), 500):
+        result = session.execute(
+            delete(Spend).where(Spend.scope == scope, Spend.scope_key.in_(keys[start : start + 500]))
+        )
+        counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + int(getattr(result, "rowcount", 0) or 0)

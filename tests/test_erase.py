@@ -54,12 +54,29 @@ def test_no_table_holds_a_row_about_the_user(pg_settings: Settings) -> None:
     with session_scope(pg_settings) as session:
         before = rows_about(session, pg_settings, "ann")
     assert sum(before.values()) > 10
+    with session_scope(pg_settings) as session:
+        signal_lines = {
+            user: set(
+                session.scalars(
+                    select(Spend.scope_key).where(
+                        Spend.scope == "signal",
+                        Spend.scope_key.in_(
+                            [str(i) for i in session.scalars(select(Signal.id).where(Signal.user_id == user))]
+                        ),
+                    )
+                )
+            )
+            for user in ("ann", "ben")
+        }
+    assert signal_lines["ann"] and signal_lines["ben"]  # each signal's own budget line
     counts = erase_user(pg_settings, "ann")
-    assert counts["dream_spend"] == 2  # her run's budget and her signals' budget for the day
+    # Her run's budget, her signals' budget for the day, and each of her signals' own.
+    assert counts["dream_spend"] == 2 + len(signal_lines["ann"])
     with session_scope(pg_settings) as session:
         assert set(rows_about(session, pg_settings, "ann").values()) == {0}
         assert rows_about(session, pg_settings, "ben") == {k: v for k, v in before.items()}
-        assert session.scalars(select(Spend)).all() != []
+        left = set(session.scalars(select(Spend.scope_key).where(Spend.scope == "signal")))
+    assert left == signal_lines["ben"]
 
 
 @pytest.mark.parametrize("path", ["chunk", "one user"])
