@@ -161,10 +161,12 @@ def test_a_stored_value_past_the_limit_is_refused_naming_the_agent_and_the_mend(
         "reverie: error: the stored policy of agent zz: pruneStaleAfterDays must be at most 365,000, not 1,000,000 "
         "(`reverie policy set zz FIELD=VALUE` mends it)\n"
     )
-    for argv in (["run", "--user", "u1", "--json"], ["policy", "show"]):
+    # health too: the readiness probe said healthy while every pass stopped on it.
+    for argv in (["run", "--user", "u1", "--json"], ["policy", "show"], ["health"]):
         refused = _cli(pg_settings, *argv)
         assert refused.returncode == 1 and refused.stderr.endswith(said), refused.stderr
     assert _cli(pg_settings, "policy", "set", "zz", "pruneStaleAfterDays=40").returncode == 0
+    assert _cli(pg_settings, "health").returncode == 0
     done = _cli(pg_settings, "run", "--user", "u1", "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["users_processed"] == 1, done.stderr
 

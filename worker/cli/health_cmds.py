@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from worker.cli.common import app, fail, load_settings
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
 
 BROKER_TIMEOUT_SECONDS = 5.0
 
@@ -37,6 +40,7 @@ def health(
         # Migrated, and still no work could run: REVERIE_MEMORY_TABLE names another table.
         fail(str(MemoryTableMissing(settings.memory_table)))
     check_memory_table(settings)
+    _check_policies(settings)
     checked = [f"database at revision {head}"]
     if broker:
         if not settings.broker_url:
@@ -47,6 +51,17 @@ def health(
         _check_metrics(settings.metrics_port)
         checked.append(f"metrics served on port {settings.metrics_port}")
     print("healthy: " + "; ".join(checked))
+
+
+def _check_policies(settings: Settings) -> None:
+    """Every stored policy reads under this release's limits: one that does not (stored
+    by an earlier release, or by hand) stops every dream pass, so the probe says so."""
+    from store import policies
+    from store.db import session_scope
+    from worker.policy import book
+
+    with session_scope(settings) as session:
+        book(settings, policies.all_configs(session))
 
 
 def _check_broker(url: str) -> None:
