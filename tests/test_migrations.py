@@ -247,6 +247,26 @@ def test_upgrading_marks_for_a_rebuild_the_profiles_of_users_with_entries_no_age
     assert again == {"u-ownerless": 2, "u-owned": 0}
 
 
+def test_the_commands_that_write_refuse_a_schema_an_earlier_release_left(empty_pg: str) -> None:
+    """Mid-rollout, before `reverie migrate` ran: a cron pass must not write with this
+    release's statements on the earlier schema."""
+    from tests.test_cli import assert_one_line_error, run
+
+    settings = _base_settings(database_url=empty_pg)
+    upgrade(settings, "0012")
+    dispose_engines()
+    with psycopg.connect(_plain(empty_pg), autocommit=True) as conn:
+        conn.execute("INSERT INTO usermemories (id, user_id, key, value) VALUES ('e1', 'u', 'k', '\"v\"')")
+    env = {"REVERIE_DATABASE_URL": empty_pg}
+    for args in (["health"], ["run", "--all"], ["restore", "--run", "1"], ["erase-user", "u", "--yes"]):
+        result = run(args, env=env)
+        assert result.returncode == 1, args
+        assert_one_line_error(result, "is at revision 0012, not ", "run reverie migrate")
+    with psycopg.connect(_plain(empty_pg)) as conn:
+        assert conn.execute("SELECT count(*) FROM usermemories").fetchone() == (1,)
+        assert conn.execute("SELECT count(*) FROM dream_runs").fetchone() == (0,)
+
+
 def test_migrate_and_health_name_a_schema_a_newer_release_migrated(empty_pg: str) -> None:
     # Not "unexpected CommandError", nor "run reverie migrate": the schema is ahead of this release.
     from tests.test_cli import assert_one_line_error, run
@@ -256,7 +276,8 @@ def test_migrate_and_health_name_a_schema_a_newer_release_migrated(empty_pg: str
     with psycopg.connect(_plain(empty_pg), autocommit=True) as conn:
         conn.execute(f"UPDATE {VERSION_TABLE} SET version_num = '9999'")
     env = {"REVERIE_DATABASE_URL": empty_pg}
-    for args in (["migrate"], ["health"]):
+    # The commands that write too (a cron `reverie run` after a rollback): nothing written.
+    for args in (["migrate"], ["health"], ["run", "--all"], ["restore", "--run", "1"], ["erase-user", "u", "--yes"]):
         result = run(args, env=env)
         assert_one_line_error(result, "at revision 9999, newer than this release's", "run that release")
         assert "unexpected" not in result.stderr and "run reverie migrate" not in result.stderr

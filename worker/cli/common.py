@@ -157,3 +157,20 @@ def load_settings(*, database_must_exist: bool = True) -> Settings:
             why = "`reverie migrate` creates it" if folder.is_dir() else f"its directory {folder} does not exist"
             fail(f"no database at {path}: {why} (or set REVERIE_DATABASE_URL to yours)")
     return settings
+
+
+def require_current_schema(settings: Settings) -> str:
+    """Fail (one line, exit 1) unless the database is at this release's schema: a
+    command that writes on a schema an earlier release left (mid-rollout) or a later one
+    made (after a rollback) would write with statements that do not match it. Returns
+    the revision."""
+    from store.db import safe_url
+    from store.migrate import current_revision, head_revision, is_newer, newer_schema
+
+    revision, head = current_revision(settings), head_revision()
+    if is_newer(revision):
+        fail(str(newer_schema(settings, str(revision))))
+    if revision != head:
+        where = safe_url(settings.database_url)
+        fail(f"database {where} is at revision {revision or 'none'}, not {head}: run reverie migrate")
+    return head

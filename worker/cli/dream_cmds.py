@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from worker.cli.common import Terminated, app, fail, load_settings, sigterm_as_interrupt
+from worker.cli.common import Terminated, app, fail, load_settings, require_current_schema, sigterm_as_interrupt
 
 if TYPE_CHECKING:
     from schedules.cron import PassReport
@@ -56,6 +56,7 @@ def run(
 
     settings = load_settings()  # logging to stderr too: --json output stays one JSON object
     check_connection(settings)
+    require_current_schema(settings)
     check_memory_table(settings)
     # After the connection check, so a database that is not there is still one line.
     warn_if_public_hash_key(settings, process="run")
@@ -190,6 +191,7 @@ def restore(
     if (run_id is None) == (signal_id is None):
         fail("give exactly one of --run and --signal", code=2)
     settings = load_settings()
+    require_current_schema(settings)
     with session_scope(settings) as session:
         if run_id is not None:
             result = restore_run(session, table_for(settings), run_id)

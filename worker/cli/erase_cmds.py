@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.common import app, fail, load_settings
+from worker.cli.common import app, fail, load_settings, require_current_schema
 
 
 @app.command("erase-user")
@@ -43,6 +43,7 @@ def erase_user(
     except InvalidSignal as exc:
         fail(str(exc), code=2)
     settings = load_settings()
+    require_current_schema(settings)
     if not yes and sys.stdin.isatty():
         _confirm(f"Erase every row of user {user!r} everywhere? This cannot be undone")
     from tasks.erase import lease_wait

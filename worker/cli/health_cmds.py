@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from worker.cli.common import app, fail, load_settings
+from worker.cli.common import app, fail, load_settings, require_current_schema
 
 if TYPE_CHECKING:
     from worker.settings import Settings
@@ -23,19 +23,13 @@ def health(
 ) -> None:
     """Exit 0 when the database answers and is at the current schema (and, as asked,
     the broker answers and /metrics is served); otherwise one line and exit 1."""
-    from store.db import check_connection, has_table, safe_url
+    from store.db import check_connection, has_table
     from store.memories import check_memory_table
-    from store.migrate import current_revision, head_revision, is_newer, newer_schema
     from worker.errors import MemoryTableMissing
 
     settings = load_settings()
     check_connection(settings)
-    revision, head = current_revision(settings), head_revision()
-    if is_newer(revision):
-        fail(str(newer_schema(settings, str(revision))))
-    if revision != head:
-        where = safe_url(settings.database_url)
-        fail(f"database {where} is at revision {revision or 'none'}, not {head}: run reverie migrate")
+    head = require_current_schema(settings)
     if not has_table(settings, settings.memory_table):
         # Migrated, and still no work could run: REVERIE_MEMORY_TABLE names another table.
         fail(str(MemoryTableMissing(settings.memory_table)))
