@@ -1056,6 +1056,18 @@ def test_a_broker_url_the_client_cannot_read_is_refused_before_a_signal_is_writt
     assert listed.stdout.strip() == ""
 
 
+def test_a_database_url_with_an_unescaped_at_in_its_password_is_refused_without_showing_it() -> None:
+    # Read as is, the host would be the password's end, printed in the error about it.
+    result = run(["health"], env={"REVERIE_DATABASE_URL": "postgresql://postgres:p@ssw0rd@127.0.0.1:5432/x"})
+    assert_one_line_error(result, "REVERIE_DATABASE_URL", "%40")
+    assert "ssw0rd" not in result.stderr
+
+
+def test_a_payload_limit_past_what_jsonb_holds_is_a_setting_error() -> None:
+    result = run(["health"], env={"REVERIE_MAX_PAYLOAD_BYTES": "9223372036854775806"})
+    assert_one_line_error(result, "REVERIE_MAX_PAYLOAD_BYTES")
+
+
 def test_health_of_a_broker_that_takes_the_connection_and_never_replies_fails_in_time(
     pg_settings: Settings,
 ) -> None:

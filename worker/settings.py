@@ -124,7 +124,8 @@ class Settings(BaseSettings):
 
     # -- signals ------------------------------------------------------------------
     allowed_categories: str = "preference,fact,context"
-    max_payload_bytes: int = Field(default=1024 * 1024, ge=1024)
+    # At most 256 MiB: PostgreSQL's jsonb holds no larger value.
+    max_payload_bytes: int = Field(default=1024 * 1024, ge=1024, le=256 * 1024 * 1024)
     max_items_per_signal: int = Field(default=2000, ge=1)
     max_writes_per_turn: int = Field(default=10, ge=0)
     min_user_messages: int = Field(default=1, ge=0)
@@ -304,6 +305,11 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _normalise_driver(cls, url: str) -> str:
+        # An ``@`` in the password not written ``%40``: the host would be read from the
+        # password's end (and a part of it printed in the error about that "host").
+        before_path = url.split("://", 1)[-1].split("/", 1)[0]
+        if before_path.count("@") > 1:
+            raise ValueError("has more than one @ before its host: write an @ of the password as %40")
         # psycopg 3 is the driver; accept the bare scheme users copy from elsewhere.
         for prefix in ("postgresql://", "postgres://", "postgresql+psycopg2://"):
             if url.startswith(prefix):
