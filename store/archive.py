@@ -42,6 +42,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.types import NullType
 
@@ -337,7 +338,8 @@ class _Writer:
 
     def insert(self, data: dict[str, Any], *, archive_id: int) -> bool:
         """Insert an archived row whole; False when a unique key of the host's table
-        already holds it (nothing written then)."""
+        already holds it, or (PostgreSQL) the host's own constraints refuse it now
+        (nothing written then)."""
         if self._host_columns is None:
             # Not the columns the database makes itself (generated, or an identity it
             # always assigns): it refuses a value for them, and makes them again.
@@ -345,9 +347,17 @@ class _Writer:
         columns = [name for name in self._host_columns if name in data]
         if self.postgres:
             name, names, archived = self._pg_archived(columns)
-            result = self.session.execute(
-                text(f"INSERT INTO {name} ({names}) {archived} ON CONFLICT DO NOTHING"), {"archive_id": archive_id}
-            )
+            try:
+                # In a savepoint of its own: a row the host's own constraints refuse now (a
+                # foreign key whose row was deleted since) stays archived, and the others
+                # go back all the same.
+                with self.session.begin_nested():
+                    result = self.session.execute(
+                        text(f"INSERT INTO {name} ({names}) {archived} ON CONFLICT DO NOTHING"),
+                        {"archive_id": archive_id},
+                    )
+            except IntegrityError:
+                return False
         else:
             row = self._sqlite_values(data, columns)
             result = self.session.execute(sqlite_insert(self._live_table()).values(**row).on_conflict_do_nothing())

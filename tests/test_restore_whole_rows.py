@@ -540,3 +540,41 @@ def test_restoring_an_overwrite_the_application_dated_infinity_leaves_it(pg_sett
     with session_scope(pg_settings) as session:
         held = session.execute(text("SELECT value #>> '{}', updated_at::text FROM usermemories")).all()
     assert [tuple(row) for row in held] == [("window", "infinity")]
+
+
+def test_a_row_the_hosts_foreign_key_refuses_now_stays_archived_and_the_others_go_back(
+    pg_settings: Settings,
+) -> None:
+    """A host column references a table of the host's; one row's parent was deleted
+    since the prune. That row stays in the archive (a conflict, to restore once the
+    parent is back); the others are put back, not the whole restore refused."""
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    with session_scope(settings) as session:
+        session.execute(text("CREATE TABLE conversations (id text PRIMARY KEY)"))
+        session.execute(text("INSERT INTO conversations VALUES ('cv1'), ('cv2')"))
+        session.execute(
+            text("ALTER TABLE usermemories ADD COLUMN conv text REFERENCES conversations (id) ON DELETE SET NULL")
+        )
+    try:
+        seed(settings, [entry("u1", f"k{i}", f"v{i}", age_days=300) for i in range(3)])
+        with session_scope(settings) as session:
+            session.execute(text("UPDATE usermemories SET conv = 'cv1' WHERE key = 'k0'"))
+            session.execute(text("UPDATE usermemories SET conv = 'cv2' WHERE key = 'k1'"))
+        pruned = dream_user(settings, "u1")
+        assert pruned.entries_pruned == 3 and pruned.run_id is not None
+        with session_scope(settings) as session:
+            session.execute(text("DELETE FROM conversations WHERE id = 'cv2'"))
+        with session_scope(settings) as session:
+            result = restore_run(session, table_for(settings), pruned.run_id)
+        assert (result.restored, result.conflicts) == (2, 1)
+        with session_scope(settings) as session:
+            back = dict(session.execute(text("SELECT key, conv FROM usermemories WHERE user_id = 'u1'")).all())
+            waiting = session.execute(
+                text("SELECT entry_id FROM dream_archive WHERE restored_at IS NULL AND reason = 'prune'")
+            ).all()
+        assert back == {"k0": "cv1", "k2": None}
+        assert len(waiting) == 1
+    finally:
+        with session_scope(settings) as session:
+            session.execute(text("ALTER TABLE usermemories DROP COLUMN conv"))
+            session.execute(text("DROP TABLE conversations"))
