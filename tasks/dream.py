@@ -612,7 +612,7 @@ def _finish(
         next_at = _next_dreams(session, settings, [user_id], [outcome])[user_id]
         schedule.mark_dreamed(session, user_id, started, next_at)
         if outcome.retry_soon:
-            # Work left over (budget, transient errors) is carried to the next pass; a
+            # Work left over (a run's cap used up, transient errors) is carried to the next pass; a
             # group the model could not summarize waits for the next scheduled dream.
             schedule.mark_dirty(session, settings, user_id)
 
@@ -931,7 +931,7 @@ class _Chunk:
                     _close_lost(session, self.keeper, outcome, costs.get(outcome.run_id or 0, 0))
             next_at = _next_dreams(session, self.settings, sorted(held), outcomes)
             schedule.mark_dreamed_many(session, next_at, self.at)
-            # Work left over (budget, time, transient errors) is carried to the next pass.
+            # Work left over (a run's cap used up, time, transient errors) is carried to the next pass.
             # (A group the model could not summarize waits for the next scheduled dream.)
             left_over = ({o.user_id for o in outcomes if o.retry_soon} | set(self.carried)) & held
             schedule.mark_dirty_many(session, self.settings, sorted(left_over))

@@ -246,9 +246,11 @@ def summarize_user(
 ) -> SummaryCounts:
     """Summarize the user's groups; model errors other than transient ones propagate.
 
-    Transient model errors, groups changed meanwhile and groups the budget cannot pay
-    for are deferred to the next pass (``retry_soon``); unusable replies (the group is
-    left unchanged) to the user's next scheduled dream. Entries a restore put back (the
+    Transient model errors, groups changed meanwhile and groups a run's cap used up by
+    this pass cannot pay for are deferred to the next pass (``retry_soon``); groups the
+    day's budget cannot pay for to the next day (``retry_next_day``); unusable replies
+    (the group is left unchanged) and a run cap that pays for no call to the user's next
+    scheduled dream. Entries a restore put back (the
     originals of a summary undone, say) are left out while they hold what it put back:
     summarizing them again would undo the restore.
     ``keep_alive`` runs before each group and ``hold`` inside each replacing
