@@ -312,7 +312,9 @@ def wait_for_scrape(port: int, server: subprocess.Popen[bytes], processes: Proce
             last_error = str(exc)
             time.sleep(0.3)
             continue
-        if targets and up == 1.0 and done is not None and users is not None:
+        # The targets page is read before the queries: a scrape that lands between
+        # them leaves it "unknown" while `up` already reads 1, so wait for both.
+        if targets and targets[0]["health"] == "up" and up == 1.0 and done is not None and users is not None:
             return done, rejected, users, targets[0]
         last_error = f"targets={targets} up={up} done={done} users={users}"
         time.sleep(0.3)
