@@ -63,6 +63,7 @@ from store.memories import (
     remove_entries,
     sql_identifier,
     sql_string,
+    stored_time,
 )
 from store.models import ArchivedEntry, Event, Run, Signal
 from store.types import db_now, loadable_columns, naive_utc, now
@@ -286,6 +287,7 @@ class _Writer:
         self.at = db_now(session)
         self.done: list[Removed] = []
         self.recalls: list[tuple[str, str, int]] = []
+        self.left: dict[str, datetime] = {}
         self.postgres = session.get_bind().dialect.name == "postgresql"
         self._live: Table | None = None
         self._host_columns: list[str] | None = None
@@ -333,7 +335,7 @@ class _Writer:
         if not result.rowcount:  # type: ignore[attr-defined]
             return "missing"  # not while the look's lock holds; never counted as put back
         # The recalls the row holds now: it keeps them (the next pass counts none as new).
-        self._done(data, recalls=current.access_count)
+        self._done(data, recalls=current.access_count, left=self._time_left(data))
         return "put back"
 
     def insert(self, data: dict[str, Any], *, archive_id: int) -> bool:
@@ -353,18 +355,28 @@ class _Writer:
                 # go back all the same.
                 with self.session.begin_nested():
                     result = self.session.execute(
-                        text(f"INSERT INTO {name} ({names}) {archived} ON CONFLICT DO NOTHING"),
+                        text(f"INSERT INTO {name} ({names}) {archived} ON CONFLICT DO NOTHING RETURNING {_LEFT_TIME}"),
                         {"archive_id": archive_id},
                     )
+                    written = result.first()
             except IntegrityError:
                 return False
+            if written is None:
+                return False
+            left = written[0]
         else:
             row = self._sqlite_values(data, columns)
             result = self.session.execute(sqlite_insert(self._live_table()).values(**row).on_conflict_do_nothing())
-        if not result.rowcount:  # type: ignore[attr-defined]
-            return False
-        self._done(data)
+            if not result.rowcount:  # type: ignore[attr-defined]
+                return False
+            left = self._time_left(data)
+        self._done(data, left=left)
         return True
+
+    def _time_left(self, data: dict[str, Any]) -> Any:
+        """The ``updated_at`` the row put back holds now (SQLite: a trigger's write comes after ``RETURNING``)."""
+        this = one_entry(self.table, data["user_id"], data["id"])
+        return self.session.scalar(select(stored_time(self.session, self.table)).where(this))
 
     def _pg_archived(self, columns: list[str]) -> tuple[str, str, str]:
         """The table's quoted name, the columns' quoted names, and a ``SELECT`` of those
@@ -412,8 +424,13 @@ class _Writer:
             self._json = {name: str(kind.compile(dialect)) for name, kind in kinds.items() if isinstance(kind, JSON)}
         return self._json
 
-    def _done(self, data: dict[str, Any], *, recalls: int | None = None) -> None:
+    def _done(self, data: dict[str, Any], *, recalls: int | None = None, left: Any = None) -> None:
+        """Count a row put back; ``left``: the ``updated_at`` it holds now. Where that is
+        later than the restore's time (a host's trigger set it as the row went back), the
+        restore is recorded at it: the row holds what was put back until it is written again."""
         self.done.append(Removed(data["id"], data["user_id"], data["key"]))
+        if isinstance(left, datetime) and naive_utc(left) > self.at:
+            self.left[data["id"]] = naive_utc(left)
         held = data.get("access_count") if recalls is None else recalls
         self.recalls.append((data["id"], data["user_id"], int(held or 0)))
 
@@ -441,6 +458,7 @@ class _Writer:
             run_id=self.run_id,
             signal_id=self.signal_id,
             at=self.at,
+            stored=self.left,
         )
         entry_state.mark_restored(self.session, self.recalls, self.at)
 
@@ -474,6 +492,13 @@ def _clash(table: Table, row: dict[str, Any]) -> Any:
         owner = table.c.source_agent_id.is_(None) if agent is None else table.c.source_agent_id == agent
         taken = and_(same_key, table.c.visibility != "global", owner)
     return same_id | taken
+
+
+#: The ``updated_at`` a row put back holds, as ``RETURNING`` gives it (PostgreSQL): NULL
+#: for a time Python does not hold (``infinity``: the restore's own time is recorded).
+_LEFT_TIME = (
+    "CASE WHEN isfinite(updated_at) AND updated_at > '0001-01-02' AND updated_at < '9999-12-30' THEN updated_at END"
+)
 
 
 def _text_identifier(name: str) -> str:

@@ -28,6 +28,7 @@ from sqlalchemy import (
     String,
     Table,
     and_,
+    bindparam,
     case,
     column,
     delete,
@@ -801,19 +802,64 @@ def contradiction_candidates(
 
 def set_conflicted(session: Session, table: Table, entries: list[tuple[str, str]], flag: bool) -> int:
     """Set ``conflicted`` on the given entries, each named by (user id, entry id), only
-    where it differs; returns rows changed."""
+    where it differs; returns rows changed.
+
+    A host whose own trigger sets ``updated_at`` on every write moves the row's time for
+    this write too, though the row holds what it held: Reverie's own events of the entry
+    move with it (:func:`_follow_flag`), so a restore still tells the entry from one the
+    application changed, and a restored row still holds what was put back."""
     changed = 0
     for start in range(0, len(entries), 500):
-        result = session.execute(
-            update(table)
-            .where(
-                tuple_(table.c.user_id, table.c.id).in_(entries[start : start + 500]),
-                func.coalesce(table.c.conflicted, False).is_not(flag),
-            )
-            .values(conflicted=flag)
+        these = and_(
+            tuple_(table.c.user_id, table.c.id).in_(entries[start : start + 500]),
+            func.coalesce(table.c.conflicted, False).is_not(flag),
         )
+        times = select(table.c.user_id, table.c.id, stored_time(session, table)).where(these)
+        # Locked before the write (PostgreSQL): a time that moved is this write's alone.
+        before = {(u, i): t for u, i, t in session.execute(times.with_for_update())}
+        if not before:
+            continue
+        result = session.execute(update(table).where(these).values(conflicted=flag))
         changed += int(result.rowcount or 0)  # type: ignore[attr-defined]
+        # Read again, not returned: a SQLite trigger's write comes after RETURNING.
+        after = session.execute(
+            select(table.c.user_id, table.c.id, stored_time(session, table)).where(
+                tuple_(table.c.user_id, table.c.id).in_(sorted(before))
+            )
+        )
+        moved = [
+            {"u": u, "e": i, "was": naive_utc(before[(u, i)]), "now": naive_utc(t)}
+            for u, i, t in after
+            if before.get((u, i)) is not None and t is not None and naive_utc(t) != naive_utc(before[(u, i)])
+        ]
+        _follow_flag(session, moved)
     return changed
+
+
+def _follow_flag(session: Session, moved: list[dict[str, Any]]) -> None:
+    """Move Reverie's own events of entries whose ``updated_at`` its flag write moved
+    (``was`` to ``now``, a host's trigger): a write whose time the row still held
+    (``insert``, ``update``: nothing was written since it) takes the new time, and a
+    restore the row still held (its ``updated_at`` no later than the restore) is dated
+    the new time, so the row holds what was put back, as before the flag."""
+    if not moved:
+        return
+    # The table's own: one statement per entry, not the ORM's bulk update by primary key.
+    events: Table = Event.__table__  # type: ignore[assignment]
+    of_entry = and_(events.c.user_id == bindparam("u"), events.c.entry_id == bindparam("e"))
+    was, now_ = bindparam("was", type_=DateTime()), bindparam("now", type_=DateTime())
+    session.execute(
+        update(events)
+        .where(of_entry, or_(events.c.action == "insert", events.c.action == "update"), events.c.at == was)
+        .values(at=now_),
+        moved,
+    )
+    session.execute(
+        update(events)
+        .where(of_entry, events.c.action == "restore", events.c.at >= was, events.c.at < now_)
+        .values(at=now_),
+        moved,
+    )
 
 
 def one_entry(table: Table, user_id: str, entry_id: str) -> ColumnElement[bool]:

@@ -102,8 +102,8 @@ class _Pass:
     resolved: int = 0
     removed: int = 0
     #: The user's entries a restore put back (id -> when): while one holds what was put
-    #: back (not updated since), ``keep_newest`` flags it, never removes it again (the
-    #: restore would be undone by the next pass).
+    #: back (not updated since), ``keep_newest`` flags its contradiction, and removes none
+    #: of its rows (the restore would be undone by the next pass).
     restored: dict[str, datetime] = field(default_factory=dict)
 
     def record(self, norm_key: str, rows: list[Any], resolution: str, *, closed: bool = False) -> None:
@@ -122,7 +122,11 @@ class _Pass:
         )
 
     def handle(self, norm_key: str, rows: list[Any], existing: Contradiction | None) -> None:
-        losers = [r for r in _losers(self.settings, self.book, rows) if not self._as_restored(r)]
+        # A group holding a row a restore put back (which still holds it) is flagged, not
+        # resolved: removing any of its rows would undo what the restore decided (a host's
+        # trigger dates the row put back at the restore, the newest of the group).
+        restored = any(self._as_restored(r) for r in rows)
+        losers = [] if restored else _losers(self.settings, self.book, rows)
         if losers:
             # Only while each loser still holds what it was judged on: a row the
             # application changed since the read stays.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -353,12 +354,13 @@ def test_a_restore_leaves_an_application_change_where_a_trigger_writes_infinity(
         dispose_engines()
 
 
-@pytest.fixture(params=["milliseconds", "touch_trigger"])
-def host_keeps_its_own_time(request: pytest.FixtureRequest, pg_settings: Settings) -> Iterator[Settings]:
+@contextlib.contextmanager
+def host_keeping_its_own_time(pg_settings: Settings, kind: str) -> Iterator[Settings]:
     """A host table whose ``updated_at`` is not the time Reverie sent: stored to the
-    millisecond (a Java host's ``TIMESTAMP(3)``), or set by the host's own trigger."""
+    millisecond (a Java host's ``TIMESTAMP(3)``), or set by the host's own trigger on
+    every write (``touch_trigger``), Reverie's included."""
     with session_scope(pg_settings) as session:
-        if request.param == "milliseconds":
+        if kind == "milliseconds":
             session.execute(text("ALTER TABLE usermemories ALTER COLUMN updated_at TYPE TIMESTAMP(3)"))
         else:
             session.execute(
@@ -382,6 +384,18 @@ def host_keeps_its_own_time(request: pytest.FixtureRequest, pg_settings: Setting
             session.execute(text("DROP FUNCTION IF EXISTS touch()"))
             session.execute(text("ALTER TABLE usermemories ALTER COLUMN updated_at TYPE TIMESTAMP"))
         dispose_engines()
+
+
+@pytest.fixture(params=["milliseconds", "touch_trigger"])
+def host_keeps_its_own_time(request: pytest.FixtureRequest, pg_settings: Settings) -> Iterator[Settings]:
+    with host_keeping_its_own_time(pg_settings, request.param) as settings:
+        yield settings
+
+
+@pytest.fixture
+def touching_host(pg_settings: Settings) -> Iterator[Settings]:
+    with host_keeping_its_own_time(pg_settings, "touch_trigger") as settings:
+        yield settings
 
 
 def test_a_restore_undoes_a_signal_where_the_host_keeps_its_own_updated_at(host_keeps_its_own_time: Settings) -> None:
@@ -416,3 +430,66 @@ def test_a_restore_takes_out_the_summaries_where_the_host_keeps_its_own_updated_
 
     assert result.returncode == 0, result.stderr
     assert set(_values(settings)) == {f"n{i}" for i in range(6)}
+
+
+def test_reveries_own_contradiction_flag_does_not_make_a_signals_entry_the_applications(
+    touching_host: Settings,
+) -> None:
+    """A dream flags a contradiction on the signal's entry; the host's trigger moves the
+    row's ``updated_at`` for that write too. It is still the signal's entry, with nothing
+    the application wrote: ``restore --signal`` takes it out."""
+    from tasks.dream import dream_user
+    from tests.dream_seed import entry, seed
+
+    settings = touching_host
+    signal = _said(settings, "My favorite color is green.", "c-1")
+    seed(settings, [entry("alice", "favorite_color", "red", agent="agent-b")])
+    outcome = dream_user(settings, "alice")
+    assert outcome.contradictions_found == 1
+    with session_scope(settings) as session:
+        flagged = session.execute(text("SELECT value FROM usermemories WHERE conflicted")).scalars().all()
+    assert sorted(flagged) == ["green", "red"]
+
+    result = _restore(settings, "--signal", str(signal))
+
+    assert result.returncode == 0, result.stderr
+    assert f"signal {signal}: restored 0 entries, took out 1 it wrote" in result.stdout
+    assert [row.value for row in memories(settings, "alice")] == ["red"]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_restore_under_keep_newest_sticks_where_the_hosts_trigger_touches_every_write(
+    touching_host: Settings, chunked: bool
+) -> None:
+    """The row put back, and Reverie's contradiction flag on it, both move its
+    ``updated_at`` (the host's trigger): it still holds what was put back, so the next
+    dreams flag it and never archive it again."""
+    from store.archive import restore_run
+    from tasks.dream import dream_user, dream_users
+    from tests.dream_seed import entries_of, entry, seed
+
+    settings = touching_host.model_copy(update={"contradiction_resolution": "keep_newest"})
+
+    def dream() -> None:
+        if chunked:
+            dream_users(settings, ["u1"])
+        else:
+            dream_user(settings, "u1")
+
+    older, newer = seed(
+        settings,
+        [entry("u1", "city", "Berlin", agent="a", age_days=10), entry("u1", "City", "Paris", agent="b", age_days=1)],
+    )
+    outcome = dream_user(settings, "u1")
+    assert outcome.contradictions_resolved == 1 and set(entries_of(settings, "u1")) == {newer["id"]}
+    assert outcome.run_id is not None
+    with session_scope(settings) as session:
+        restored = restore_run(session, table_for(settings), outcome.run_id)
+    assert restored.restored == 1
+
+    dream()
+    dream()
+
+    rows = entries_of(settings, "u1")
+    assert set(rows) == {older["id"], newer["id"]}
+    assert {r["conflicted"] for r in rows.values()} == {True}
