@@ -9,6 +9,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
+from sqlalchemy import Connection, func, select
 
 from store.db import check_connection, get_engine, safe_url, translate_errors
 from worker.errors import ConfigError
@@ -39,7 +40,7 @@ def _config_for_scripts() -> Config:
 
 def current_revision(settings: Settings) -> str | None:
     with translate_errors(settings), get_engine(settings).connect() as connection:
-        return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE}).get_current_revision()
+        return _revision(connection)
 
 
 def is_newer(revision: str | None) -> bool:
@@ -63,16 +64,32 @@ def newer_schema(settings: Settings, revision: str) -> ConfigError:
 def upgrade(settings: Settings, revision: str = "head") -> tuple[str | None, str]:
     """Apply pending migrations; returns (revision before, revision after). Idempotent.
     Refuses (:class:`ConfigError`) a PostgreSQL older than ``store.db.MIN_POSTGRESQL``,
-    and a schema a newer release migrated."""
+    and a schema a newer release migrated. Several at once (each replica's start-up)
+    take turns: the later ones find nothing left to do."""
     check_connection(settings)
-    before = current_revision(settings)
-    if is_newer(before):
-        raise newer_schema(settings, str(before))
     config = _config(settings)
     with translate_errors(settings), get_engine(settings).begin() as connection:
+        _one_at_a_time(connection)
+        before = _revision(connection)
+        if is_newer(before):
+            raise newer_schema(settings, str(before))
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
     return before, current_revision(settings) or "base"
+
+
+def _revision(connection: Connection) -> str | None:
+    return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE}).get_current_revision()
+
+
+def _one_at_a_time(connection: Connection) -> None:
+    """Hold, on PostgreSQL, the lock every migration takes for its transaction (SQLite
+    takes one writer at a time anyway), so two never apply the same step at once."""
+    if connection.dialect.name == "postgresql":
+        connection.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(MIGRATE_LOCK, 0))))
+
+
+MIGRATE_LOCK = "reverie:migrate"
 
 
 def is_current(settings: Settings) -> bool:
@@ -81,9 +98,10 @@ def is_current(settings: Settings) -> bool:
 
 def downgrade(settings: Settings, revision: str) -> tuple[str | None, str]:
     """Take the schema back to ``revision``; returns (revision before, revision after)."""
-    before = current_revision(settings)
     config = _config(settings)
     with translate_errors(settings), get_engine(settings).begin() as connection:
+        _one_at_a_time(connection)
+        before = _revision(connection)
         config.attributes["connection"] = connection
         command.downgrade(config, revision)
     return before, current_revision(settings) or "base"

@@ -283,3 +283,24 @@ def test_migrate_and_health_name_a_schema_a_newer_release_migrated(empty_pg: str
         assert "unexpected" not in result.stderr and "run reverie migrate" not in result.stderr
     with psycopg.connect(_plain(empty_pg)) as conn:
         assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchone() == ("9999",)
+
+
+def test_migrations_started_at_once_all_succeed_and_apply_once(empty_pg: str) -> None:
+    """Each replica's start-up (an init container per pod) runs `reverie migrate`: the
+    ones that come second wait for the first, then find nothing left to do."""
+    import os
+    import subprocess
+
+    from tests.test_cli import REVERIE
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REVERIE_")}
+    env["REVERIE_DATABASE_URL"] = empty_pg
+    started = [
+        subprocess.Popen([*REVERIE, "migrate"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    results = [(p.wait(timeout=120), *p.communicate()) for p in started]
+
+    assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
+    with psycopg.connect(_plain(empty_pg)) as conn:
+        assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall() == [(head_revision(),)]
