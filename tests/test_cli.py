@@ -1635,3 +1635,21 @@ def test_an_error_names_the_database_url_as_the_operator_wrote_it() -> None:
     result = run(["health"], env={"REVERIE_DATABASE_URL": "postgresql://app:s3cret@127.0.0.1:1/app"})
     assert_one_line_error(result, "database unreachable at postgresql://app:***@127.0.0.1:1/app")
     assert "s3cret" not in result.stderr and "+psycopg" not in result.stderr
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0:9540", "http://0.0.0.0", "-bad-", "a b"])
+def test_a_metrics_address_no_server_can_listen_on_stops_the_worker_naming_the_variable(
+    addr: str, pg_settings: Settings, tmp_path: Path
+) -> None:
+    """Else the worker started, served no /metrics, and said so in one log line only."""
+    env = {
+        "REVERIE_DATABASE_URL": pg_settings.database_url,
+        "REVERIE_BROKER_URL": "redis://127.0.0.1:1/0",
+        "REVERIE_METRICS_ADDR": addr,
+    }
+    for command in (["worker"], ["health"]):
+        result = run(command, env=env, cwd=tmp_path)
+        assert result.returncode == 1
+        assert_one_line_error(result, "REVERIE_METRICS_ADDR", "without a port")
+    for fine in ("127.0.0.1", "::", "localhost", "metrics.internal"):
+        assert run(["health"], env={**env, "REVERIE_METRICS_ADDR": fine}, cwd=tmp_path).returncode == 0, fine

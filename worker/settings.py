@@ -6,6 +6,7 @@ directory. Modules receive a :class:`Settings` instance; none reads ``os.environ
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import lru_cache
@@ -50,6 +51,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 #: What a broker URL says in its own parts (scheme, user, password, host, port, path).
+#: A host name: dot-separated labels of letters, digits and inner hyphens.
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 _BROKER_URL_PARTS = frozenset({"transport", "hostname", "port", "userid", "password", "virtual_host"})
 
 
@@ -273,6 +276,24 @@ class Settings(BaseSettings):
         if level not in LOG_LEVELS:
             raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
         return level
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _an_address_to_listen_on(cls, addr: str) -> str:
+        # Else a typo (a port written into it, a URL) was found only once the worker
+        # was up, which then served no /metrics and said so in one log line.
+        import ipaddress
+
+        addr = addr.strip()
+        try:
+            ipaddress.ip_address(addr)
+        except ValueError:
+            if not _HOST_NAME.fullmatch(addr) or len(addr) > 253:
+                raise ValueError(
+                    "must be an address to listen on: an IP address (0.0.0.0, ::, 127.0.0.1) or a host name, "
+                    "without a port (that is REVERIE_METRICS_PORT)"
+                ) from None
+        return addr
 
     @field_validator("broker_url")
     @classmethod
