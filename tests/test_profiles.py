@@ -419,6 +419,22 @@ def test_get_for_prompt_refuses_a_budget_that_is_not_a_whole_number_and_leaves_t
         assert "vim" in get_for_prompt("u1", "agent-a", 500, session).text
 
 
+@pytest.mark.parametrize(
+    ("user", "agent", "words"),
+    [(5, "agent-a", "user_id must be a string, not int"), ("u1", 7, "agent_id must be a string, not int")],
+)
+def test_get_for_prompt_refuses_an_id_that_is_not_a_string_and_leaves_the_transaction_usable(
+    pg_settings: Settings, user: object, agent: object, words: str
+) -> None:
+    # Else the database's own error, which aborts the caller's transaction.
+    seed(pg_settings, _world("u1"))
+    dream_users(pg_settings, ["u1"])
+    with session_scope(pg_settings) as session:
+        with pytest.raises(TypeError, match=words):
+            get_for_prompt(user, agent, None, session)  # type: ignore[arg-type]
+        assert "vim" in get_for_prompt("u1", "agent-a", 500, session).text
+
+
 def test_reader_imports_neither_celery_nor_litellm() -> None:
     script = (
         "import sys\n"

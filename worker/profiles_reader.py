@@ -56,11 +56,21 @@ def get_for_prompt(
     only), within ``token_budget`` tokens if given. An agent that owns no entries of the
     user reads the shared entries. One primary-key read; with ``session`` it runs in the
     caller's transaction; without, outside any (the one statement sees one snapshot)."""
+    _an_id("user_id", user_id)
+    if agent_id is not None:
+        _an_id("agent_id", agent_id)
     token_budget = _budget(token_budget)
     if session is not None:
         return _read(session, user_id, agent_id, token_budget, settings)
     settings = settings or get_settings()
     return read_once(settings, lambda own: _read(own, user_id, agent_id, token_budget, settings))
+
+
+def _an_id(name: str, value: Any) -> None:
+    """An id checked before anything is read (the database's error for another type
+    would abort the caller's transaction): ids are strings."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, not {type(value).__name__}")
 
 
 def _budget(token_budget: Any) -> int | None:
