@@ -176,12 +176,18 @@ def forget_missing(session: Session, table: Table, users: str | Collection[str])
 
 
 def not_protected(table: Table, protected_categories: Collection[str]) -> ColumnElement[bool]:
-    """Rows Reverie may prune or merge: no ``_gdpr_`` key, no protected category."""
-    category = func.coalesce(table.c.category, "fact")
+    """Rows Reverie may prune or merge: no ``_gdpr_`` key, no protected category (in
+    any case: ``Property`` is ``property``)."""
+    category = func.lower(func.coalesce(table.c.category, "fact"))
     condition = ~reserved(table.c.key)
     if protected_categories:
-        condition = and_(condition, category.not_in(sorted(protected_categories)))
+        condition = and_(condition, category.not_in(sorted({c.lower() for c in protected_categories})))
     return condition
+
+
+def protected_category(category: str | None, protected_categories: Collection[str]) -> bool:
+    """:func:`not_protected`'s category test, of one row's category (None: ``fact``)."""
+    return (category or "fact").lower() in {c.lower() for c in protected_categories}
 
 
 def _stale(

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from store import key_vectors
-from store.entry_state import is_reserved
+from store.entry_state import is_reserved, protected_category
 from store.known_entries import locked_entry, rewrite_entry, visible_entries
 from store.memories import table_for, upsert_entry
 from tasks.decisions import normalise
@@ -145,7 +145,7 @@ class Writer:
         return Landed(key, result.action, result.action)
 
     def _onto(self, row: Any, value: str, category: str, *, note: str) -> Landed:
-        if is_reserved(row.key) or row.category in self.settings.protected_category_set:
+        if is_reserved(row.key) or protected_category(row.category, self.settings.protected_category_set):
             return Landed(row.key, "protected", "protected")
         if same_value(row.value, value):
             return Landed(row.key, "unchanged", f"unchanged ({note})")

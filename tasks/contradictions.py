@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from store import contradictions as store
 from store import key_vectors
-from store.entry_state import is_reserved
+from store.entry_state import is_reserved, protected_category
 from store.memories import (
     as_restored,
     contradiction_candidates,
@@ -346,5 +346,5 @@ def _losers(settings: Settings, book: PolicyBook, rows: list[Any]) -> list[Any]:
         row
         for row in ordered[1:]
         if book.for_agent(row.source_agent_id).contradictionResolution == "keep_newest"
-        and (row.category or "fact") not in protected
+        and not protected_category(row.category, protected)
     ]

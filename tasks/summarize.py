@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from store.db import session_scope
-from store.entry_state import is_reserved
+from store.entry_state import is_reserved, protected_category
 from store.memories import as_restored, restored_entries, table_for, user_entries
 from store.summaries import NewEntry, replace_group
 from store.types import usd_to_nano
@@ -116,7 +116,7 @@ def groups_of(rows: list[Any], settings: Settings, book: PolicyBook, owners: Col
     groups: dict[GroupKey, list[Any]] = defaultdict(list)
     for row in rows:
         category = row.category or "fact"
-        if is_reserved(row.key) or category in protected or row.conflicted:
+        if is_reserved(row.key) or protected_category(category, protected) or row.conflicted:
             continue
         if owners is not None and row.source_agent_id not in owners:
             continue

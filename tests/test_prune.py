@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from sqlalchemy import select
 
 from store import entry_state
@@ -70,6 +72,34 @@ def test_a_reserved_key_in_another_case_is_protected_on_postgresql_as_on_sqlite(
         )
         assert dream_user(settings, "u1").entries_pruned == 1
         assert keys_of(settings, "u1") == {"_GDPR_Consent", "_Gdpr_marketing"}
+
+
+def test_a_protected_category_in_another_case_is_protected_from_pruning_summaries_and_keep_newest(
+    store_settings: Settings,
+) -> None:
+    # A host that writes "Property" or "LEGACY" (ranking already read categories in any case).
+    settings = store_settings.model_copy(update={"contradiction_resolution": "keep_newest", "summarize_min_entries": 2})
+    seed(
+        settings,
+        [
+            entry("u1", "passport", "DE", category="Property", age_days=900),
+            entry("u1", "old_story", "a tale", category="LEGACY", age_days=900),
+            entry("u1", "story_2", "another tale", category="LEGACY", age_days=1),
+            entry("u1", "story_3", "a third tale", category="LEGACY", age_days=1),
+            entry("u1", "home", "Oslo", category="Property", agent="a", age_days=10),
+            entry("u1", "Home", "Rome", category="fact", agent="b", age_days=1),
+            entry("u1", "old_fact", "gone", age_days=900),
+        ],
+    )
+    outcome = dream_user(settings, "u1")
+    assert outcome.entries_pruned == 1
+    assert keys_of(settings, "u1") == {"passport", "old_story", "story_2", "story_3", "home", "Home"}
+    # Nor summarized: no group holds them.
+    from tasks.summarize import groups_of
+    from worker.policy import book
+
+    many = [SimpleNamespace(**entry("u1", f"p{i}", "x", category="PROPERTY")) for i in range(6)]
+    assert groups_of(many, settings, book(settings, {}), None) == []
 
 
 def test_recalled_but_not_updated_entry_survives(pg_settings: Settings) -> None:
