@@ -705,10 +705,15 @@ def stored_time(session: Session, table: Table) -> ColumnElement[Any]:
     stamp: ColumnElement[Any] = table.c.updated_at
     if session.get_bind().dialect.name != "postgresql":
         return stamp
-    # A time outside Python's range (a trigger's ``infinity``) as NULL: not a time to
-    # compare with (clamped, any two such times would match), so the row reads as changed.
+    return _in_python_range(stamp).label("updated_at")
+
+
+def _in_python_range(stamp: ColumnElement[Any]) -> ColumnElement[Any]:
+    """A time outside Python's range (a trigger's ``infinity``) as NULL (PostgreSQL): not
+    a time to compare with (clamped, any two such times would match), so the row reads
+    as changed."""
     within = and_(stamp <= literal(datetime.max, stamp.type), stamp >= literal(datetime.min, stamp.type))
-    return case((within, stamp), else_=null()).label("updated_at")
+    return case((within, stamp), else_=null())
 
 
 def whole_rows(session: Session, table: Table) -> Select[Any]:
@@ -809,28 +814,46 @@ def set_conflicted(session: Session, table: Table, entries: list[tuple[str, str]
     move with it (:func:`_follow_flag`), so a restore still tells the entry from one the
     application changed, and a restored row still holds what was put back."""
     changed = 0
+    postgres = session.get_bind().dialect.name == "postgresql"
     for start in range(0, len(entries), 500):
         these = and_(
             tuple_(table.c.user_id, table.c.id).in_(entries[start : start + 500]),
             func.coalesce(table.c.conflicted, False).is_not(flag),
         )
-        times = select(table.c.user_id, table.c.id, stored_time(session, table)).where(these)
-        # Locked before the write (PostgreSQL): a time that moved is this write's alone.
-        before = {(u, i): t for u, i, t in session.execute(times.with_for_update())}
-        if not before:
-            continue
-        result = session.execute(update(table).where(these).values(conflicted=flag))
-        changed += int(result.rowcount or 0)  # type: ignore[attr-defined]
-        # Read again, not returned: a SQLite trigger's write comes after RETURNING.
-        after = session.execute(
-            select(table.c.user_id, table.c.id, stored_time(session, table)).where(
-                tuple_(table.c.user_id, table.c.id).in_(sorted(before))
+        if postgres:
+            # One statement: the rows locked and their time read first, then written, the
+            # time the write left returned (a time that moved is this write's alone).
+            old = (
+                select(table.c.user_id, table.c.id, _in_python_range(table.c.updated_at).label("was"))
+                .where(these)
+                .with_for_update()
+                .cte(query_name("flagged"))
             )
-        )
+            written = session.execute(
+                update(table)
+                .where(table.c.user_id == old.c.user_id, table.c.id == old.c.id)
+                .values(conflicted=flag)
+                .returning(table.c.user_id, table.c.id, old.c.was, stored_time(session, table))
+            ).all()
+            pairs = [(u, i, was, t) for u, i, was, t in written]
+        else:
+            times = select(table.c.user_id, table.c.id, table.c.updated_at).where(these)
+            before = {(u, i): t for u, i, t in session.execute(times)}
+            if not before:
+                continue
+            session.execute(update(table).where(these).values(conflicted=flag))
+            # Read again, not returned: a SQLite trigger's write comes after RETURNING.
+            after = session.execute(
+                select(table.c.user_id, table.c.id, table.c.updated_at).where(
+                    tuple_(table.c.user_id, table.c.id).in_(sorted(before))
+                )
+            )
+            pairs = [(u, i, before.get((u, i)), t) for u, i, t in after]
+        changed += len(pairs)
         moved = [
-            {"u": u, "e": i, "was": naive_utc(before[(u, i)]), "now": naive_utc(t)}
-            for u, i, t in after
-            if before.get((u, i)) is not None and t is not None and naive_utc(t) != naive_utc(before[(u, i)])
+            {"u": u, "e": i, "was": naive_utc(was), "now": naive_utc(t)}
+            for u, i, was, t in pairs
+            if was is not None and t is not None and naive_utc(t) != naive_utc(was)
         ]
         _follow_flag(session, moved)
     return changed
