@@ -871,12 +871,17 @@ def _follow_flag(session: Session, moved: list[dict[str, Any]]) -> None:
     events: Table = Event.__table__  # type: ignore[assignment]
     of_entry = and_(events.c.user_id == bindparam("u"), events.c.entry_id == bindparam("e"))
     was, now_ = bindparam("was", type_=DateTime()), bindparam("now", type_=DateTime())
-    session.execute(
-        update(events)
-        .where(of_entry, or_(events.c.action == "insert", events.c.action == "update"), events.c.at == was)
-        .values(at=now_),
-        moved,
-    )
+    # Not on a column that keeps whole seconds (both times on the second): there an
+    # application write in the flag's second would read as Reverie's write, and a restore
+    # would take it out. The entry reads as changed instead, which a restore leaves.
+    fine = [m for m in moved if m["was"].microsecond or m["now"].microsecond]
+    if fine:
+        session.execute(
+            update(events)
+            .where(of_entry, or_(events.c.action == "insert", events.c.action == "update"), events.c.at == was)
+            .values(at=now_),
+            fine,
+        )
     session.execute(
         update(events)
         .where(of_entry, events.c.action == "restore", events.c.at >= was, events.c.at < now_)

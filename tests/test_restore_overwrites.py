@@ -493,3 +493,58 @@ def test_a_restore_under_keep_newest_sticks_where_the_hosts_trigger_touches_ever
     rows = entries_of(settings, "u1")
     assert set(rows) == {older["id"], newer["id"]}
     assert {r["conflicted"] for r in rows.values()} == {True}
+
+
+def test_on_a_whole_second_column_an_application_write_in_the_flags_second_is_left_by_the_restore(
+    pg_settings: Settings,
+) -> None:
+    """A column that keeps whole seconds cannot tell an application write in the same
+    second as Reverie's flag from the flag: the flag's time is not followed there, and
+    the restore leaves the entry (the application's value stays)."""
+    from tasks.dream import dream_user
+    from tests.dream_seed import entry, seed
+
+    database = pg_settings.database_url.rsplit("/", 1)[1]
+
+    def clock_reads(at: str) -> None:
+        # Every new connection's writes are stamped ``at`` by the host's trigger.
+        dispose_engines()
+        with session_scope(pg_settings) as session:
+            session.execute(text(f"ALTER DATABASE \"{database}\" SET reverie_test.at = '{at}'"))
+        dispose_engines()
+
+    with session_scope(pg_settings) as session:
+        session.execute(text("ALTER TABLE usermemories ALTER COLUMN updated_at TYPE TIMESTAMP(0)"))
+        session.execute(
+            text(
+                "CREATE FUNCTION stamp() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN NEW.updated_at := current_setting('reverie_test.at')::timestamp; RETURN NEW; END $$"
+            )
+        )
+        session.execute(
+            text("CREATE TRIGGER stamp BEFORE INSERT OR UPDATE ON usermemories FOR EACH ROW EXECUTE FUNCTION stamp()")
+        )
+    settings = pg_settings.model_copy(update={"summarize_interactions": False})
+    try:
+        clock_reads("2026-11-28 10:00:01")
+        signal = _said(settings, "My favorite color is green.", "c-1")
+        seed(settings, [entry("alice", "favorite_color", "red", agent="agent-b")])
+        clock_reads("2026-11-28 10:00:02")
+        assert dream_user(settings, "alice").contradictions_found == 1
+        # The application's write, in the flag's second.
+        with session_scope(settings) as session:
+            session.execute(text("UPDATE usermemories SET value = '\"blue\"' WHERE value = '\"green\"'"))
+
+        result = _restore(settings, "--signal", str(signal))
+
+        assert result.returncode == 0, result.stderr
+        assert "took out 0 it wrote, 1 it wrote left in place" in result.stdout
+        assert sorted(row.value for row in memories(settings, "alice")) == ["blue", "red"]
+    finally:
+        dispose_engines()
+        with session_scope(pg_settings) as session:
+            session.execute(text("DROP TRIGGER IF EXISTS stamp ON usermemories"))
+            session.execute(text("DROP FUNCTION IF EXISTS stamp()"))
+            session.execute(text("ALTER TABLE usermemories ALTER COLUMN updated_at TYPE TIMESTAMP"))
+            session.execute(text(f'ALTER DATABASE "{database}" RESET reverie_test.at'))
+        dispose_engines()
