@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import unicodedata
@@ -331,6 +332,14 @@ def test_cli_profile_json_and_unknown_user(pg_settings: Settings) -> None:
     )
     assert _cli(["run", "--user", "u2"], pg_settings).returncode == 0
     assert "Lisbon" in _cli(["profile", "u2"], pg_settings).stdout
+    # The command it names runs as pasted into a shell, whatever the id holds.
+    for user in ("jane doe", "x;touch pwned", "o'brien", "-dash"):
+        seed(pg_settings, [entry(user, "city", "Oslo", visibility="global")])
+        hint = _cli(["profile", "--", user], pg_settings).stderr.split("`")[1]
+        words = shlex.split(hint)
+        assert words[:3] == ["reverie", "run", "--user"] and words[3:] == [user], hint
+        assert _cli(words[1:], pg_settings).returncode == 0, hint
+        assert "Oslo" in _cli(["profile", "--", user], pg_settings).stdout
     # An empty name is refused as a usage error, as `reverie run --user ""` refuses it.
     for argv in (["profile", ""], ["profile", "u1", "--agent", ""]):
         refused = _cli(argv, pg_settings)

@@ -58,12 +58,19 @@ def profile(
         who = f" for agent {agent}" if agent else ""
         fail(
             f"no profile yet for user {user}{who}: it is built by the next dream of that user "
-            f"(`reverie run --user {user}` dreams them now)"
+            f"(`{_run_user(user)}` dreams them now)"
         )
     print(found.text, end="")
     if not found.text:
         # Nothing for a prompt (standard output stays empty, as a pipe wants it): why, on stderr.
         print(f"reverie: {_why_empty(user, agent, found.entries_left_out, found.budget, budget)}", file=sys.stderr)
+
+
+def _run_user(user: str) -> str:
+    """The command that dreams ``user`` now, as a shell takes it (the id quoted where it must be)."""
+    import shlex
+
+    return f"reverie run --user {shlex.quote(user)}"
 
 
 def _why_empty(user: str, agent: str | None, left_out: int, budget: int, asked: int | None) -> str:
@@ -79,7 +86,7 @@ def _why_empty(user: str, agent: str | None, left_out: int, budget: int, asked: 
     if agent:
         return (
             f"{whose} is empty: the last dream of this user found no entry agent {agent} may see "
-            f"(`reverie run --user {user}` builds it again now)"
+            f"(`{_run_user(user)}` builds it again now)"
         )
     return (
         f"{whose} is empty: it shows the shared entries only (global, and self with no owner), and the last dream "
