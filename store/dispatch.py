@@ -19,12 +19,12 @@ import math
 from datetime import datetime, timedelta
 from typing import cast
 
-from sqlalchemy import Table, bindparam, or_, select, text, union, union_all, update
+from sqlalchemy import Table, bindparam, func, or_, select, text, union, union_all, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from store.memories import table_for
-from store.models import Signal, UserState
+from store.models import MAX_USER_ID, Signal, UserState
 from store.types import db_now
 from worker.settings import Settings
 
@@ -198,6 +198,7 @@ SELECT s.user_id,
        TIMESTAMP '1970-01-01' + make_interval(secs => ceil((:base - {_PG_PHASE}) / :interval) * :interval + {_PG_PHASE})
 FROM users AS s
 WHERE s.user_id IS NOT NULL
+  AND length(s.user_id) <= {MAX_USER_ID}
   AND NOT EXISTS (SELECT 1 FROM dream_user_state AS d WHERE d.user_id = s.user_id)
 ON CONFLICT (user_id) DO NOTHING
 RETURNING user_id
@@ -226,7 +227,10 @@ def adopt_unseen_users(session: Session, settings: Settings, *, at: datetime | N
         return len(session.execute(scan, {"base": base, "interval": interval}).all())
     unseen = (
         select(memories.c.user_id, bindparam("at", at).label("next_dream_at"))
-        .where(~select(UserState.user_id).where(UserState.user_id == memories.c.user_id).exists())
+        .where(
+            ~select(UserState.user_id).where(UserState.user_id == memories.c.user_id).exists(),
+            func.length(memories.c.user_id) <= MAX_USER_ID,
+        )
         .distinct()
     )
     # A concurrent mark_dirty may create the row first; that row wins.

@@ -52,6 +52,11 @@ _PG_MODEL_WRITTEN, _SQLITE_MODEL_WRITTEN = text(PG_MODEL_WRITTEN), text(SQLITE_M
 FINISHED_WITH_PAYLOAD = "status IN ('done', 'rejected') AND payload_purged_at IS NULL"
 
 
+#: The longest user id Reverie's tables hold (a host's own ``text`` column may hold longer
+#: ones: those users are left alone).
+MAX_USER_ID = 255
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {datetime: Timestamp, dict[str, Any]: JsonType}

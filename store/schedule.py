@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, or_, select, text, union, update
+from sqlalchemy import and_, case, func, or_, select, text, union, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from store.dispatch import next_slot
 from store.entry_state import users_in
 from store.memories import table_for
-from store.models import UserState
+from store.models import MAX_USER_ID, UserState
 from store.types import db_now
 from worker.settings import Settings
 
@@ -96,7 +96,10 @@ def due_user_ids(session: Session, at: datetime, limit: int, settings: Settings 
         table = table_for(settings)
         unseen = (
             select(table.c.user_id)
-            .where(~select(UserState.user_id).where(UserState.user_id == table.c.user_id).exists())
+            .where(
+                ~select(UserState.user_id).where(UserState.user_id == table.c.user_id).exists(),
+                func.length(table.c.user_id) <= MAX_USER_ID,
+            )
             .distinct()
         )
         query = union(due, unseen)  # type: ignore[assignment]
@@ -108,7 +111,9 @@ def due_user_ids(session: Session, at: datetime, limit: int, settings: Settings 
 def all_user_ids(session: Session, settings: Settings) -> list[str]:
     """Every user with entries in the memory table or a schedule row."""
     table = table_for(settings)
-    sub = union(select(table.c.user_id), select(UserState.user_id)).subquery()
+    # An id longer than Reverie's tables hold (a host's ``text`` column may hold one) is left alone.
+    holdable = select(table.c.user_id).where(func.length(table.c.user_id) <= MAX_USER_ID)
+    sub = union(holdable, select(UserState.user_id)).subquery()
     return list(session.scalars(select(sub.c.user_id).order_by(sub.c.user_id)))
 
 

@@ -4,6 +4,7 @@ and an existing EDDI table left exactly as it was."""
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 
 import psycopg
@@ -304,3 +305,27 @@ def test_migrations_started_at_once_all_succeed_and_apply_once(empty_pg: str) ->
     assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
     with psycopg.connect(_plain(empty_pg)) as conn:
         assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall() == [(head_revision(),)]
+
+
+def test_a_user_id_longer_than_reveries_tables_hold_is_left_alone_and_the_others_dream(empty_pg: str) -> None:
+    """A host's `text` user_id may hold an id over 255 characters: that user is never
+    scheduled nor dreamed, and migrate and every pass go on for the others (one such
+    row stopped them all with a database error)."""
+    from tests.test_cli import run
+
+    with psycopg.connect(_plain(empty_pg), autocommit=True) as conn:
+        for ddl in EDDI_DDL:
+            conn.execute(ddl.replace("user_id VARCHAR(255)", "user_id TEXT"))
+        conn.execute(
+            "INSERT INTO usermemories (user_id, key, value) VALUES ('w2', 'k', '\"v\"'), (%s, 'k', '\"v\"')",
+            ("u" * 300,),
+        )
+    env = {"REVERIE_DATABASE_URL": empty_pg}
+    migrated = run(["migrate"], env=env)
+    assert migrated.returncode == 0, migrated.stderr
+    for args in (["run", "--json"], ["run", "--all", "--json"]):
+        result = run(args, env=env)
+        assert result.returncode == 0, (args, result.stderr)
+    assert json.loads(result.stdout)["users_processed"] == 1
+    with psycopg.connect(_plain(empty_pg)) as conn:
+        assert conn.execute("SELECT user_id FROM dream_user_state").fetchall() == [("w2",)]
