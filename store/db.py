@@ -60,6 +60,8 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # SQLite has no hash function: the fingerprints of profiles need one (see
     # ``store.profiles.content_hash``).
     dbapi_connection.create_function(SQLITE_HASH, -1, sqlite_hash, deterministic=True)
+    # SQLite's own lower() folds ASCII letters only: Python's, as PostgreSQL's does them all.
+    dbapi_connection.create_function(SQLITE_LOWER, 1, sqlite_lower, deterministic=True)
 
 
 def hold_writes(session: Session) -> None:
@@ -74,6 +76,14 @@ def hold_writes(session: Session) -> None:
 
 #: The hash function every SQLite connection of Reverie's has (any number of arguments).
 SQLITE_HASH = "reverie_hash"
+
+
+#: Every SQLite connection of Reverie's has this ``lower`` of any letter (see :func:`sqlite_lower`).
+SQLITE_LOWER = "reverie_lower"
+
+
+def sqlite_lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
 
 
 def sqlite_hash(*parts: Any) -> int:

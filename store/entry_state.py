@@ -33,9 +33,12 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.functions import FunctionElement
 
+from store.db import SQLITE_LOWER
 from store.models import EntryState, query_name
 
 #: Keys beginning with this, in any case (``_GDPR_consent`` too), are reserved: never
@@ -175,10 +178,29 @@ def forget_missing(session: Session, table: Table, users: str | Collection[str])
     return int(session.execute(gone).rowcount or 0)  # type: ignore[attr-defined]
 
 
+class Folded(FunctionElement[str]):
+    """``lower()`` of every letter: PostgreSQL's own; on SQLite, whose ``lower()`` folds
+    ASCII letters only, the function every connection of Reverie's has there
+    (:data:`store.db.SQLITE_LOWER`)."""
+
+    type = String()
+    inherit_cache = True
+
+
+@compiles(Folded)
+def _folded(element: Folded, compiler: Any, **kw: Any) -> str:
+    return f"lower({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(Folded, "sqlite")
+def _folded_sqlite(element: Folded, compiler: Any, **kw: Any) -> str:
+    return f"{SQLITE_LOWER}({compiler.process(element.clauses, **kw)})"
+
+
 def not_protected(table: Table, protected_categories: Collection[str]) -> ColumnElement[bool]:
     """Rows Reverie may prune or merge: no ``_gdpr_`` key, no protected category (in
-    any case: ``Property`` is ``property``)."""
-    category = func.lower(func.coalesce(table.c.category, "fact"))
+    any case: ``Property`` is ``property``, ``ÄRZTE`` is ``ärzte``)."""
+    category = Folded(func.coalesce(table.c.category, "fact"))
     condition = ~reserved(table.c.key)
     if protected_categories:
         condition = and_(condition, category.not_in(sorted({c.lower() for c in protected_categories})))

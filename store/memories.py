@@ -54,7 +54,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.types import NullType, TypeEngine
 
 from store.db import has_table, session_scope
-from store.entry_state import is_reserved, reserved
+from store.entry_state import is_reserved, protected_category, reserved
 from store.models import ArchivedEntry, Event, memory_table, query_name
 from store.types import in_range_time, loadable_columns, naive_utc, now
 from worker.errors import ConfigError, TransientError
@@ -672,7 +672,7 @@ def _replace(
     signal_id: int | None,
     run_id: int | None,
 ) -> Upserted:
-    if is_reserved(existing.key) or existing.category in protected_categories:
+    if is_reserved(existing.key) or protected_category(existing.category, protected_categories):
         return Upserted(existing.id, "protected")
     if existing.value == value and existing.category == category:
         return Upserted(existing.id, "unchanged")

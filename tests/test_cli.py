@@ -1637,7 +1637,7 @@ def test_an_error_names_the_database_url_as_the_operator_wrote_it() -> None:
     assert "s3cret" not in result.stderr and "+psycopg" not in result.stderr
 
 
-@pytest.mark.parametrize("addr", ["0.0.0.0:9540", "http://0.0.0.0", "-bad-", "a b"])
+@pytest.mark.parametrize("addr", ["0.0.0.0:9540", "http://0.0.0.0", "-bad-", "a b", "9100", "1.2.3"])
 def test_a_metrics_address_no_server_can_listen_on_stops_the_worker_naming_the_variable(
     addr: str, pg_settings: Settings, tmp_path: Path
 ) -> None:

@@ -102,6 +102,21 @@ def test_a_protected_category_in_another_case_is_protected_from_pruning_summarie
     assert groups_of(many, settings, book(settings, {}), None) == []
 
 
+def test_a_protected_category_is_matched_in_any_case_of_any_letter(store_settings: Settings) -> None:
+    # SQLite's own lower() folds ASCII letters only.
+    settings = _no_llm(store_settings).model_copy(update={"protected_categories": "ärzte,property"})
+    seed(
+        settings,
+        [
+            entry("u1", "doctor", "Dr. A", category="ÄRZTE", age_days=900),
+            entry("u1", "dentist", "Dr. B", category="ärzte", age_days=900),
+            entry("u1", "old_fact", "gone", age_days=900),
+        ],
+    )
+    assert dream_user(settings, "u1").entries_pruned == 1
+    assert keys_of(settings, "u1") == {"doctor", "dentist"}
+
+
 def test_recalled_but_not_updated_entry_survives(pg_settings: Settings) -> None:
     settings = _no_llm(pg_settings)
     recalled, forgotten = seed(

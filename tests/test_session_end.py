@@ -240,17 +240,18 @@ def test_prompt_injection_never_writes_for_another_user(pg_settings: Settings) -
     assert [(r.user_id, r.key, r.value) for r in memories(pg_settings)] == [("alice", "favorite_food", "pizza")]
 
 
-def test_protected_entry_is_not_rewritten(pg_settings: Settings) -> None:
+@pytest.mark.parametrize("category", ["property", "Property"])
+def test_protected_entry_is_not_rewritten(pg_settings: Settings, category: str) -> None:
     table = table_for(pg_settings)
     with session_scope(pg_settings) as session:
         session.execute(
             table.insert().values(
-                id="p1", user_id="alice", key="home", value="Oslo", category="property", source_agent_id="agent-a"
+                id="p1", user_id="alice", key="home", value="Oslo", category=category, source_agent_id="agent-a"
             )
         )
     enqueue_signal("session_end", "alice", transcript(("user", "My home is Bergen.")), settings=pg_settings)
     report = process_pending(pg_settings)
-    assert [(r.key, r.value, r.category) for r in memories(pg_settings)] == [("home", "Oslo", "property")]
+    assert [(r.key, r.value, r.category) for r in memories(pg_settings)] == [("home", "Oslo", category)]
     assert report.results[0].refused[0].outcome == "an existing protected entry has this key"
 
 

@@ -288,7 +288,8 @@ class Settings(BaseSettings):
         try:
             ipaddress.ip_address(addr)
         except ValueError:
-            if not _HOST_NAME.fullmatch(addr) or len(addr) > 253:
+            # A name whose last label is all digits is no host's (``9100``: a port; ``1.2.3``).
+            if not _HOST_NAME.fullmatch(addr) or len(addr) > 253 or addr.rstrip(".").rsplit(".", 1)[-1].isdigit():
                 raise ValueError(
                     "must be an address to listen on: an IP address (0.0.0.0, ::, 127.0.0.1) or a host name, "
                     "without a port (that is REVERIE_METRICS_PORT)"
