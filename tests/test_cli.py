@@ -38,7 +38,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
         assert needle in lines[0]
 
 
-def test_help_lists_the_contract_commands() -> None:
+def test_help_lists_the_documented_commands() -> None:
     result = run(["--help"])
     assert result.returncode == 0
     for command in ("migrate", "enqueue", "signals", "demo"):

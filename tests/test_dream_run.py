@@ -91,7 +91,7 @@ def test_schedule_due_dirty_and_unseen_users(store_settings: Settings) -> None:
     assert due == ["fresh-host-user", "late", "touched"]
 
 
-def test_reverie_run_json_has_the_contract_keys(pg_settings: Settings) -> None:
+def test_reverie_run_json_has_the_documented_keys(pg_settings: Settings) -> None:
     seed(pg_settings, [entry("u1", "old", "x", age_days=200), entry("u2", "new", "y")])
     env = {**os.environ, "REVERIE_DATABASE_URL": pg_settings.database_url, "REVERIE_SUMMARIZE_INTERACTIONS": "false"}
     done = subprocess.run(

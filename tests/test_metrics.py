@@ -30,7 +30,7 @@ from worker.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 
 #: docs/reference.md, Metrics: family -> (type, label names).
-CONTRACT_FAMILIES: dict[str, tuple[str, frozenset[str]]] = {
+DOCUMENTED_FAMILIES: dict[str, tuple[str, frozenset[str]]] = {
     "dream_users_processed": ("counter", frozenset()),
     "dream_entries_pruned": ("counter", frozenset()),
     "dream_contradictions_found": ("counter", frozenset()),
@@ -183,9 +183,9 @@ def sample_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def assert_contract_families(text: str) -> None:
+def assert_documented_families(text: str) -> None:
     found = {family.name: family for family in text_string_to_metric_families(text)}
-    for name, (kind, labels) in CONTRACT_FAMILIES.items():
+    for name, (kind, labels) in DOCUMENTED_FAMILIES.items():
         assert name in found, f"family {name} missing from the exposition"
         family = found[name]
         assert family.type == kind, (name, family.type)
@@ -202,7 +202,7 @@ def test_served_endpoint_has_every_family_sums_children_and_no_user_id(pg_settin
     with served_metrics(pg_settings, tmp_path / "mp") as port:
         text = scrape(port)
 
-    assert_contract_families(text)
+    assert_documented_families(text)
     # An earlier run's file is wiped at start (its counts are not this worker's).
     assert not stale.exists()
     # Two children processed five signals between them; the parent's page adds them up.
@@ -466,7 +466,7 @@ def test_textfile_has_every_family_and_only_reverie_families(tmp_path: Path) -> 
     write_textfile(target)
 
     text = target.read_text("utf-8")
-    assert_contract_families(text)
+    assert_documented_families(text)
     assert all(name.startswith("dream_") for name in families(text))
     # node-exporter usually runs as another user.
     assert stat.S_IMODE(target.stat().st_mode) == 0o644
@@ -519,7 +519,7 @@ def test_a_fresh_worker_exports_every_family_at_zero_from_the_first_scrape(
     for family in text_string_to_metric_families(page):
         for sample in family.samples:
             samples.setdefault(sample.name, {})[frozenset(sample.labels.items())] = sample.value
-    for name, (kind, labels) in CONTRACT_FAMILIES.items():
+    for name, (kind, labels) in DOCUMENTED_FAMILIES.items():
         series = samples.get(f"{name}_total" if kind == "counter" else f"{name}_count" if kind == "histogram" else name)
         assert series, f"{name} is missing from a fresh worker's first scrape"
         assert all(value == 0 for value in series.values()), (name, series)

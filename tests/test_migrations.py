@@ -94,7 +94,7 @@ def _plain(url: str) -> str:
     return url.replace("+psycopg", "")
 
 
-def test_empty_database_gets_the_contract_memory_table(empty_pg: str) -> None:
+def test_empty_database_gets_the_documented_memory_table(empty_pg: str) -> None:
     before, after = upgrade(_base_settings(database_url=empty_pg))
     assert (before, after) == (None, head_revision())
     with psycopg.connect(_plain(empty_pg)) as conn:
