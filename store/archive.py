@@ -355,26 +355,23 @@ class _Writer:
                 # go back all the same.
                 with self.session.begin_nested():
                     result = self.session.execute(
-                        text(f"INSERT INTO {name} ({names}) {archived} ON CONFLICT DO NOTHING RETURNING {_LEFT_TIME}"),
+                        text(f"INSERT INTO {name} ({names}) {archived} ON CONFLICT DO NOTHING"),
                         {"archive_id": archive_id},
                     )
-                    written = result.first()
             except IntegrityError:
                 return False
-            if written is None:
-                return False
-            left = written[0]
         else:
             row = self._sqlite_values(data, columns)
             result = self.session.execute(sqlite_insert(self._live_table()).values(**row).on_conflict_do_nothing())
-            if not result.rowcount:  # type: ignore[attr-defined]
-                return False
-            left = self._time_left(data)
-        self._done(data, left=left)
+        if not result.rowcount:  # type: ignore[attr-defined]
+            return False
+        self._done(data, left=self._time_left(data))
         return True
 
     def _time_left(self, data: dict[str, Any]) -> Any:
-        """The ``updated_at`` the row put back holds now (SQLite: a trigger's write comes after ``RETURNING``)."""
+        """The ``updated_at`` the row put back holds now, as a host's trigger may have set it
+        (read, not returned: on SQLite a trigger's write comes after ``RETURNING``); None
+        for a time Python does not hold (the restore's own time is recorded then)."""
         this = one_entry(self.table, data["user_id"], data["id"])
         return self.session.scalar(select(stored_time(self.session, self.table)).where(this))
 
@@ -492,13 +489,6 @@ def _clash(table: Table, row: dict[str, Any]) -> Any:
         owner = table.c.source_agent_id.is_(None) if agent is None else table.c.source_agent_id == agent
         taken = and_(same_key, table.c.visibility != "global", owner)
     return same_id | taken
-
-
-#: The ``updated_at`` a row put back holds, as ``RETURNING`` gives it (PostgreSQL): NULL
-#: for a time Python does not hold (``infinity``: the restore's own time is recorded).
-_LEFT_TIME = (
-    "CASE WHEN isfinite(updated_at) AND updated_at > '0001-01-02' AND updated_at < '9999-12-30' THEN updated_at END"
-)
 
 
 def _text_identifier(name: str) -> str:

@@ -208,8 +208,9 @@ def not_protected(table: Table, protected_categories: Collection[str]) -> Column
 
 
 def protected_category(category: str | None, protected_categories: Collection[str]) -> bool:
-    """:func:`not_protected`'s category test, of one row's category (None: ``fact``)."""
-    return (category or "fact").lower() in {c.lower() for c in protected_categories}
+    """:func:`not_protected`'s category test, of one row's category (None: ``fact``), with
+    ``protected_categories`` lower-cased (``Settings.protected_category_set``)."""
+    return (category or "fact").lower() in protected_categories
 
 
 def _stale(

@@ -835,7 +835,7 @@ def set_conflicted(session: Session, table: Table, entries: list[tuple[str, str]
                 .values(conflicted=flag)
                 .returning(table.c.user_id, table.c.id, old.c.was, stored_time(session, table))
             ).all()
-            pairs = [(u, i, was, t) for u, i, was, t in written]
+            pairs = [tuple(row) for row in written]
         else:
             times = select(table.c.user_id, table.c.id, table.c.updated_at).where(these)
             before = {(u, i): t for u, i, t in session.execute(times)}

@@ -340,7 +340,8 @@ class Settings(BaseSettings):
 
     @property
     def protected_category_set(self) -> frozenset[str]:
-        return frozenset(_csv(self.protected_categories))
+        # Lower-cased: a category is protected in any case (``Property`` is ``property``).
+        return frozenset(c.lower() for c in _csv(self.protected_categories))
 
     @property
     def allowed_category_set(self) -> frozenset[str]:
