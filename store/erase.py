@@ -43,7 +43,6 @@ def erase_user(
     # A signal's own budget line is keyed by its id: the user's too.
     signal_keys = [str(i) for i in session.scalars(select(Signal.id).where(Signal.user_id == user_id))]
     counts[Signal.__tablename__] = _delete(session, Signal.__table__, user_id)  # type: ignore[arg-type]
-    _delete_lines(session, "signal", signal_keys, counts)
     # Routine detection writes memories from activity rows it read earlier: this waits
     # for a detection writing this user's (its writes committed, then erased below) and
     # holds off the next until this commits (it then finds the events it read gone).
@@ -65,6 +64,9 @@ def erase_user(
     lines = delete_user_lines(session, user_id)
     if lines:
         counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + lines
+    # Budget lines go in the order a call locks them (run, user's day, signal; see
+    # worker.budget.lines_for): a call settling meanwhile then waits, never deadlocks.
+    _delete_lines(session, "signal", signal_keys, counts)
     hold(session)
     # Children before parents (the archive refers to runs).
     for table in reversed(Base.metadata.sorted_tables):
