@@ -454,6 +454,36 @@ def lost_connection(exc: BaseException) -> bool:
 #: SQLSTATEs of the server ending the session: admin_shutdown, crash_shutdown, cannot_connect_now.
 _SESSION_ENDED = ("57P01", "57P02", "57P03")
 
+#: SQLSTATEs of a transaction the server rolled back so that another could go on:
+#: deadlock_detected, serialization_failure. Tried again, it finds the other finished.
+_ROLLED_BACK_FOR_ANOTHER = ("40P01", "40001")
+#: How many times a transaction is run in all when the server keeps choosing it so.
+CONFLICT_ATTEMPTS = 4
+
+
+def rolled_back_for_another(exc: BaseException) -> bool:
+    """Whether the server rolled the transaction back as a deadlock's victim (or for a
+    serialization failure): nothing of it was written, and it may be run again."""
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    return str(getattr(orig, "sqlstate", None) or "") in _ROLLED_BACK_FOR_ANOTHER
+
+
+def retrying_conflicts(work: Callable[[], T], *, attempts: int = CONFLICT_ATTEMPTS) -> T:
+    """Run ``work``, one whole transaction, again (after a short, growing pause) when the
+    server chose it as a deadlock's victim, up to ``attempts`` times in all. Lock orders
+    are kept the same everywhere Reverie can see both sides; this is for the orders it
+    cannot (an application's own transactions, or a plan's row order)."""
+    attempt = 1
+    while True:
+        try:
+            return work()
+        except DBAPIError as exc:
+            if attempt >= attempts or not rolled_back_for_another(exc):
+                raise
+            log.info("transaction_retried", reason=type(exc.orig).__name__, attempt=attempt)
+        time.sleep(0.05 * attempt)
+        attempt += 1
+
 
 @contextmanager
 def translate_errors(settings: Settings) -> Iterator[None]:

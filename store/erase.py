@@ -40,8 +40,10 @@ def erase_user(
     transaction commits are processed normally.
     """
     counts: dict[str, int] = {}
-    # A signal's own budget line is keyed by its id: the user's too.
-    signal_keys = [str(i) for i in session.scalars(select(Signal.id).where(Signal.user_id == user_id))]
+    # A signal's own budget line is keyed by its id: the user's too. Locked in id order,
+    # as a batch of signals being finished locks them (store.signals.finish_signals).
+    held = select(Signal.id).where(Signal.user_id == user_id).order_by(Signal.id).with_for_update()
+    signal_keys = [str(i) for i in session.scalars(held)]
     counts[Signal.__tablename__] = _delete(session, Signal.__table__, user_id)  # type: ignore[arg-type]
     # Routine detection writes memories from activity rows it read earlier: this waits
     # for a detection writing this user's (its writes committed, then erased below) and
@@ -107,9 +109,18 @@ def rows_about(session: Session, settings: Settings, user_id: str) -> dict[str, 
 
 
 def _delete_lines(session: Session, scope: str, keys: list[str], counts: dict[str, int]) -> None:
-    """Delete these budget lines of ``scope``, in batches, counted under ``dream_spend``."""
+    """Delete these budget lines of ``scope``, in batches, counted under ``dream_spend``.
+    Locked first in the keys' order, whatever order a plan would delete them in: a run's
+    total (``<run id>``) before its agents' shares (``<run id>/...``), as a call's
+    settlement and the reaper take them."""
+    keys = sorted(keys)
     for start in range(0, len(keys), 500):
-        result = session.execute(
-            delete(Spend).where(Spend.scope == scope, Spend.scope_key.in_(keys[start : start + 500]))
-        )
+        batch = keys[start : start + 500]
+        session.execute(
+            select(Spend.scope_key)
+            .where(Spend.scope == scope, Spend.scope_key.in_(batch))
+            .order_by(Spend.scope_key)
+            .with_for_update()
+        ).all()
+        result = session.execute(delete(Spend).where(Spend.scope == scope, Spend.scope_key.in_(batch)))
         counts[Spend.__tablename__] = counts.get(Spend.__tablename__, 0) + int(getattr(result, "rowcount", 0) or 0)

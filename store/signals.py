@@ -566,13 +566,23 @@ def finish_signals(session: Session, claims: Sequence[tuple[int, str]], *, statu
 
 # finish_signals on PostgreSQL: the pairs as two arrays (one bound value each, where
 # the portable statement binds two per signal and is built and compiled per batch).
+# The rows are locked in id order first, as an erasure locks a user's signals: an
+# update's own order is its plan's (an index on status and kind puts one kind first).
 _PG_FINISH = text(
     """
+WITH held AS (
+    SELECT s.id FROM dream_signals s
+    JOIN unnest(CAST(:ids AS bigint[]), CAST(:tokens AS varchar[])) AS claim(id, token)
+        ON s.id = claim.id AND s.claim_token = claim.token
+    WHERE s.status = 'processing'
+    ORDER BY s.id
+    FOR UPDATE OF s
+)
 UPDATE dream_signals s
 SET status = :status, last_error = NULL, claim_token = NULL, claimed_until = NULL,
     processed_at = timezone('utc', statement_timestamp())
-FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS varchar[])) AS claim(id, token)
-WHERE s.id = claim.id AND s.claim_token = claim.token AND s.status = 'processing'
+FROM held
+WHERE s.id = held.id
 RETURNING s.id, s.processed_at
 """
 )

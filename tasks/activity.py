@@ -84,6 +84,11 @@ def detect_routines(settings: Settings, *, at: datetime | None = None) -> int:
     count).
     """
     when = at or now()
+    # Forgotten in a transaction of its own: it locks old events of every user, and
+    # an erasure takes a user's erasure lock before deleting theirs, the reverse of the
+    # detection's order (which takes that lock before writing the user's routines).
+    with session_scope(settings) as session:
+        activity_store.delete_before(session, when - lookback(settings))
     with session_scope(settings) as session:
         writes = find_routines(session, settings, when)
     for action, count in writes.items():
@@ -94,7 +99,6 @@ def detect_routines(settings: Settings, *, at: datetime | None = None) -> int:
 def find_routines(session: Session, settings: Settings, at: datetime) -> Counter[str]:
     """Detect and upsert routines inside the caller's transaction; writes by action."""
     since = at - lookback(settings)
-    activity_store.delete_before(session, since)
     table = table_for(settings)
     writes: Counter[str] = Counter()
     dirty: set[str] = set()

@@ -7,12 +7,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 
 from sqlalchemy.orm import Session
 
 from store import erase as erase_store
 from store import locks
-from store.db import committing, give_back, session_scope
+from store.db import committing, give_back, retrying_conflicts, session_scope
 from store.models import UserState
 from tasks.leases import LeaseKeeper
 from worker.errors import LeaseLost, UserBusy
@@ -65,10 +66,9 @@ def erase_user(
         # must not take the user over meanwhile. Re-taken in that transaction, so an
         # erasure whose lease ran out anyway (a frozen process) is rolled back and tried again.
         try:
-            with LeaseKeeper(settings, token, ERASE_LEASE, [user_id]) as keeper, session_scope(settings) as session:
-                counts = erase_store.erase_user(
-                    session, settings, user_id, hold=lambda s: keeper.hold(s, user_id), key_forms=key_forms(settings)
-                )
+            # Run again, holding the lease, where the database chose it as a deadlock's
+            # victim: nothing of it was written.
+            counts = retrying_conflicts(partial(_erase_holding, settings, user_id, token))
         except LeaseLost:
             log.info("erase_lease_lost", user=user_ref(user_id, settings.log_hash_key))
             continue
@@ -84,6 +84,14 @@ def erase_user(
         counts[UserState.__tablename__] -= 1  # the row the lease itself made: not the user's data
     log.info("user_erased", user=user_ref(user_id, settings.log_hash_key), rows=sum(counts.values()))
     return counts
+
+
+def _erase_holding(settings: Settings, user_id: str, token: str) -> dict[str, int]:
+    """One transaction erasing the user, under the erasure's lease ``token``."""
+    with LeaseKeeper(settings, token, ERASE_LEASE, [user_id]) as keeper, session_scope(settings) as session:
+        return erase_store.erase_user(
+            session, settings, user_id, hold=lambda s: keeper.hold(s, user_id), key_forms=key_forms(settings)
+        )
 
 
 def lease_wait(settings: Settings) -> float:

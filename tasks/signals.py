@@ -32,7 +32,16 @@ from sqlalchemy.orm import Session
 
 from store import schedule
 from store import signals as signal_store
-from store.db import committing, get_engine, give_back, lost_connection, safe_url, session_scope, translate_errors
+from store.db import (
+    committing,
+    get_engine,
+    give_back,
+    lost_connection,
+    retrying_conflicts,
+    safe_url,
+    session_scope,
+    translate_errors,
+)
 from store.signals import Claimed
 from tasks import activity, feedback, session_end
 from tasks.decisions import Decision, Effect, SignalInput
@@ -351,20 +360,32 @@ def _parse(text: str | None) -> Any:
 
 
 def _apply(settings: Settings, item: _Ready) -> SignalResult:
-    claim, signal, result = item.claim, item.signal, item.result
+    # Run again, with what was prepared (no second model call), when the database chose
+    # it as a deadlock's victim: two signals of one user writing the same keys in
+    # another order, or an application's transaction holding them.
+    applied = retrying_conflicts(partial(_apply_once, settings, item))
+    if applied is None:
+        item.result.reason = LOST_CLAIM
+        return item.result
+    _done(settings, item, *applied)
+    return item.result
+
+
+def _apply_once(settings: Settings, item: _Ready) -> tuple[Effect, datetime] | None:
+    """One transaction applying the signal: its effect and the time recorded, or None
+    where its claim no longer holds (nothing written)."""
+    claim, signal = item.claim, item.signal
     with session_scope(settings) as session:
         # Marking it done first locks the row and checks that our claim still holds, in
         # one statement; the effects follow in the same transaction, so either both
         # commit or neither does.
         finished_at = signal_store.finish_signal(session, claim.signal_id, claim.claim_token, status="done")
         if finished_at is None:
-            result.reason = LOST_CLAIM
-            return result
+            return None
         effect = HANDLERS[signal.kind].apply(session, settings, signal, item.prepared)
         if effect.wrote:
             schedule.mark_dirty(session, settings, signal.user_id)
-    _done(settings, item, effect, finished_at)
-    return result
+    return effect, finished_at
 
 
 def _apply_together(settings: Settings, ready: list[_Ready]) -> bool:
