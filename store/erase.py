@@ -43,8 +43,11 @@ def erase_user(
     # A signal's own budget line is keyed by its id: the user's too. Locked in id order,
     # as a batch of signals being finished locks them (store.signals.finish_signals).
     held = select(Signal.id).where(Signal.user_id == user_id).order_by(Signal.id).with_for_update()
-    signal_keys = [str(i) for i in session.scalars(held)]
-    counts[Signal.__tablename__] = _delete(session, Signal.__table__, user_id)  # type: ignore[arg-type]
+    signal_ids = list(session.scalars(held))
+    signal_keys = [str(i) for i in signal_ids]
+    # Those rows only: a signal committed while the lock waited is after the erasure
+    # (processed as usual, with its budget line).
+    counts[Signal.__tablename__] = _delete_signals(session, signal_ids)
     # Routine detection writes memories from activity rows it read earlier: this waits
     # for a detection writing this user's (its writes committed, then erased below) and
     # holds off the next until this commits (it then finds the events it read gone).
@@ -92,6 +95,14 @@ def _keys_of(session: Session, memory: Table, user_id: str) -> set[str]:
         select(Observation.key).where(Observation.user_id == user_id),
     ]
     return {key for statement in statements for key in session.scalars(statement.distinct()) if isinstance(key, str)}
+
+
+def _delete_signals(session: Session, ids: list[int]) -> int:
+    deleted = 0
+    for start in range(0, len(ids), 1000):
+        result = session.execute(delete(Signal).where(Signal.id.in_(ids[start : start + 1000])))
+        deleted += int(getattr(result, "rowcount", 0) or 0)
+    return deleted
 
 
 def _delete(session: Session, table: Table, user_id: str) -> int:

@@ -15,13 +15,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from store import activity as activity_store
 from store import schedule
-from store.db import session_scope
+from store.db import retrying_conflicts, session_scope
 from store.memories import table_for, upsert_entry
 from store.types import now
 from tasks.decisions import Effect, SignalInput
@@ -87,13 +88,19 @@ def detect_routines(settings: Settings, *, at: datetime | None = None) -> int:
     # Forgotten in a transaction of its own: it locks old events of every user, and
     # an erasure takes a user's erasure lock before deleting theirs, the reverse of the
     # detection's order (which takes that lock before writing the user's routines).
-    with session_scope(settings) as session:
-        activity_store.delete_before(session, when - lookback(settings))
+    retrying_conflicts(partial(_forget_before, settings, when - lookback(settings)))
     with session_scope(settings) as session:
         writes = find_routines(session, settings, when)
     for action, count in writes.items():
         metrics.MEMORY_WRITES.labels(source=SOURCE, action=action).inc(count)
     return sum(writes.values())
+
+
+def _forget_before(settings: Settings, cutoff: datetime) -> None:
+    # Run again if the database rolls it back as a deadlock's victim: an erasure deletes
+    # a user's events in another order than this statement's plan may.
+    with session_scope(settings) as session:
+        activity_store.delete_before(session, cutoff)
 
 
 def find_routines(session: Session, settings: Settings, at: datetime) -> Counter[str]:

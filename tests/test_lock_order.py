@@ -289,3 +289,64 @@ def test_an_erasure_the_database_rolls_back_as_a_deadlocks_victim_is_run_again(p
     with session_scope(pg_settings) as session:
         assert {table: n for table, n in rows_about(session, pg_settings, "ann").items() if n} == {}
         assert session.scalar(select(func.count()).select_from(Signal)) == 0
+
+
+def test_a_signal_committed_while_the_erasure_waits_for_the_users_signals_is_kept_with_its_budget_line(
+    pg_settings: Settings,
+) -> None:
+    from sqlalchemy import text
+
+    from store.spend import BudgetLine
+    from worker import budget
+
+    def events(action: str) -> dict[str, Any]:
+        return {"events": [{"action": action, "at": "2024-05-06T09:00:00Z"}]}
+
+    s1 = enqueue_signal("activity", "ann", events("a"), settings=pg_settings).signal_id
+    url = url_of(pg_settings)
+    with psycopg.connect(url, autocommit=True) as watch, psycopg.connect(url) as holder:
+        holder.execute("SELECT 1 FROM dream_signals WHERE id = %s FOR UPDATE", (s1,))  # a worker applying s1
+        erasing = start(erase_user, pg_settings, "ann", wait_seconds=WAIT)
+        until(lambda: waiting(watch, "SELECT dream_signals.id%") == 1)
+        # Meanwhile ann's next signal arrives, and a worker reserves its model call.
+        s2 = enqueue_signal("activity", "ann", events("b"), settings=pg_settings).signal_id
+        budget.reserve(pg_settings, [BudgetLine("signal", budget.signal_key(s2), 10**12, follows_settings=True)], 1000)
+        holder.rollback()
+        assert outcome(erasing) is None
+    with session_scope(pg_settings) as session:
+        left = session.scalar(text("SELECT count(*) FROM dream_signals WHERE id = :i"), {"i": s2})
+        line = session.scalar(
+            text("SELECT count(*) FROM dream_spend WHERE scope = 'signal' AND scope_key = :k"), {"k": str(s2)}
+        )
+    # After the erasure began: processed as usual, with its budget line (never erased
+    # while its line is kept).
+    assert (left, line) == (1, 1)
+
+
+def test_forgetting_old_events_rolled_back_as_a_deadlocks_victim_is_run_again(pg_settings: Settings) -> None:
+    # The forgetting walks an index on (user_id, action, at); an erasure's delete of
+    # the user's events may go in the rows' physical order: each can hold a row the
+    # other wants next.
+    url = url_of(pg_settings)
+    old = now() - timedelta(weeks=30)
+    with psycopg.connect(url, autocommit=True) as conn:
+        for action in ("z", "a", "m"):  # stored z, a, m; indexed a, m, z
+            conn.execute(
+                "INSERT INTO dream_activity (user_id, agent_id, action, at) VALUES ('ann', 'g', %s, %s)", (action, old)
+            )
+        conn.execute(
+            "INSERT INTO dream_activity (user_id, agent_id, action, at) "
+            "SELECT 'u' || (g % 2000), 'g', 'r', now() FROM generate_series(1, 50000) g"
+        )
+        conn.execute("ANALYZE dream_activity")
+    with psycopg.connect(url, autocommit=True) as watch, psycopg.connect(url) as holder:
+        holder.execute("SELECT 1 FROM dream_activity WHERE user_id = 'ann' AND action = 'm' FOR UPDATE")
+        detecting = start(detect_routines, pg_settings)
+        until(lambda: waiting(watch, "DELETE FROM dream_activity WHERE dream_activity.at <%") == 1)
+        erasing = start(erase_user, pg_settings, "ann", wait_seconds=WAIT)
+        until(lambda: waiting(watch, "DELETE FROM dream_activity WHERE dream_activity.user_id =%") == 1)
+        time.sleep(1.5)  # past deadlock_timeout: the erasure's own check found no cycle then
+        holder.rollback()  # the forgetting goes on to the row the erasure holds
+        both_finish(detecting, erasing)
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM dream_activity WHERE user_id = 'ann'").fetchone() == (0,)
