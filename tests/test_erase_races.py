@@ -32,7 +32,7 @@ from tasks.activity import detect_routines
 from tasks.dream import dream_user
 from tasks.erase import erase_user
 from tasks.signals import process_pending
-from worker import budget, offline_model
+from worker import offline_model
 from worker.errors import UserBusy
 from worker.producer import enqueue_signal
 from worker.settings import Settings
@@ -544,40 +544,3 @@ def test_a_restores_profile_rebuild_and_a_dream_past_its_lease_wait_on_each_othe
     for thread in threads:
         thread.join(WAIT)
     assert out == {"held": [], "rebuilt": (2, [])}
-
-
-def _waiting_on_a_lock(conn: psycopg.Connection[Any], statement: str) -> bool:
-    row = conn.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-        (statement + "%",),
-    ).fetchone()
-    return bool(row and row[0])
-
-
-def _until(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, "never happened"
-        time.sleep(0.02)
-
-
-def test_an_erasure_takes_the_budget_lines_in_the_order_a_calls_settlement_does(pg_settings: Settings) -> None:
-    # A signal's call settles its lines in one transaction: the day, the user's day,
-    # then the signal's own. An erasure of that user deletes the user's and the
-    # signal's lines; taking them in the other order deadlocked with the settlement.
-    signal_id = enqueue_signal("session_end", "ann", said("My dog is Rex"), settings=pg_settings).signal_id
-    lines = budget.lines_for(pg_settings, None, None, user_id="ann", signal_id=signal_id)
-    reservation = budget.reserve(pg_settings, lines, 1_000)
-    user_line = next(line for line in lines if line.scope == "user")
-    url = pg_settings.database_url.replace("+psycopg", "")
-    with psycopg.connect(url, autocommit=True) as watch, psycopg.connect(url) as holder:
-        # Another call of that user holds its day line for a moment.
-        holder.execute("SELECT 1 FROM dream_spend WHERE scope = 'user' AND scope_key = %s FOR UPDATE", (user_line.key,))
-        settling = start(budget.settle, pg_settings, reservation, 1_000)
-        _until(lambda: _waiting_on_a_lock(watch, "UPDATE dream_spend"))
-        erasing = start(erase_user, pg_settings, "ann", wait_seconds=WAIT)
-        _until(lambda: _waiting_on_a_lock(watch, "DELETE FROM dream_spend"))
-        holder.rollback()
-        join(settling)
-        join(erasing)
-    nothing_left(pg_settings, "ann")

@@ -18,30 +18,18 @@ import psycopg
 import pytest
 
 from store.db import session_scope
+from store.erase import rows_about
 from store.models import Signal
 from store.types import now
 from tasks.activity import detect_routines
 from tasks.erase import erase_user
 from tasks.signals import process_pending
+from tests.test_erase_races import said, start
+from worker import budget
 from worker.producer import enqueue_signal
 from worker.settings import Settings
 
 WAIT = 60
-
-
-def start(target: Callable[..., Any], *args: Any, **kwargs: Any) -> threading.Thread:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            target(*args, **kwargs)
-        except BaseException as exc:  # surfaced by join()
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.errors = errors  # type: ignore[attr-defined]
-    thread.start()
-    return thread
 
 
 def outcome(thread: threading.Thread) -> BaseException | None:
@@ -125,10 +113,6 @@ def test_routine_detection_and_an_erasure_take_activity_rows_and_the_erasure_loc
 
 
 # -- 2. two session_end signals of one user ------------------------------------------------
-
-
-def said(text: str, conversation: str) -> dict[str, Any]:
-    return {"conversation_id": conversation, "agent_id": "a", "messages": [{"role": "user", "content": text}]}
 
 
 def test_two_signals_of_one_user_write_the_same_keys_in_one_order(pg_settings: Settings) -> None:
@@ -234,7 +218,6 @@ def test_the_reaper_and_an_erasure_take_a_runs_budget_lines_in_one_order(pg_sett
     locks a run's lines in that order too, not in the order its delete's plan reads
     them (a run whose calls were for two agents leaves agent 1's line before the total)."""
     from store.spend import BudgetLine
-    from worker import budget
 
     url = url_of(pg_settings)
     with psycopg.connect(url, autocommit=True) as conn:
@@ -263,7 +246,32 @@ def test_the_reaper_and_an_erasure_take_a_runs_budget_lines_in_one_order(pg_sett
         no_new_deadlock(watch, before)
 
 
-# -- 5. an order Reverie cannot see: an application's own transaction -----------------------
+# -- 5. a call's settlement against an erasure, on the user's budget lines --------------------
+
+
+def test_an_erasure_takes_the_budget_lines_in_the_order_a_calls_settlement_does(pg_settings: Settings) -> None:
+    # A signal's call settles its lines in one transaction: the day, the user's day,
+    # then the signal's own. An erasure of that user deletes the user's and the
+    # signal's lines; taking them in the other order deadlocked with the settlement.
+    signal_id = enqueue_signal("session_end", "ann", said("My dog is Rex"), settings=pg_settings).signal_id
+    lines = budget.lines_for(pg_settings, None, None, user_id="ann", signal_id=signal_id)
+    reservation = budget.reserve(pg_settings, lines, 1_000)
+    user_line = next(line for line in lines if line.scope == "user")
+    url = pg_settings.database_url.replace("+psycopg", "")
+    with psycopg.connect(url, autocommit=True) as watch, psycopg.connect(url) as holder:
+        # Another call of that user holds its day line for a moment.
+        holder.execute("SELECT 1 FROM dream_spend WHERE scope = 'user' AND scope_key = %s FOR UPDATE", (user_line.key,))
+        settling = start(budget.settle, pg_settings, reservation, 1_000)
+        until(lambda: waiting(watch, "UPDATE dream_spend%") == 1)
+        erasing = start(erase_user, pg_settings, "ann", wait_seconds=WAIT)
+        until(lambda: waiting(watch, "DELETE FROM dream_spend%") == 1)
+        holder.rollback()
+        both_finish(settling, erasing)
+    with session_scope(pg_settings) as session:
+        assert {table: n for table, n in rows_about(session, pg_settings, "ann").items() if n} == {}
+
+
+# -- 6. an order Reverie cannot see: an application's own transaction -----------------------
 
 
 def test_an_erasure_the_database_rolls_back_as_a_deadlocks_victim_is_run_again(pg_settings: Settings) -> None:
@@ -271,8 +279,6 @@ def test_an_erasure_the_database_rolls_back_as_a_deadlocks_victim_is_run_again(p
     ann's pending signal, which the erasure (waiting for that row) already holds. The
     erasure waited first, so the database rolls it back; it is run again and erases."""
     from sqlalchemy import func, select
-
-    from store.erase import rows_about
 
     enqueue_signal("session_end", "ann", said("My dog is Rex.", "c1"), settings=pg_settings)
     process_pending(pg_settings)
@@ -297,7 +303,6 @@ def test_a_signal_committed_while_the_erasure_waits_for_the_users_signals_is_kep
     from sqlalchemy import text
 
     from store.spend import BudgetLine
-    from worker import budget
 
     def events(action: str) -> dict[str, Any]:
         return {"events": [{"action": action, "at": "2024-05-06T09:00:00Z"}]}
