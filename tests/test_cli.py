@@ -507,13 +507,22 @@ def test_ctrl_c_at_the_erase_question_is_an_interruption_exit_130(pg_settings: S
     full_env["REVERIE_DATABASE_URL"] = pg_settings.database_url
     master, slave = pty.openpty()
     try:
-        proc = subprocess.Popen(
-            [*REVERIE, "erase-user", "u-keep"],
-            stdin=slave,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=full_env,
-        )
+        # As a terminal's shell starts a command: Ctrl-C's signal at its default. A
+        # process inherits an ignored signal, and something earlier in a whole-suite run
+        # leaves SIGINT and SIGQUIT ignored in this one (seen through the masks below),
+        # so the command, rightly honouring that, never heard Ctrl-C. A handler of this
+        # process's own is not inherited: the command starts with the default.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            proc = subprocess.Popen(
+                [*REVERIE, "erase-user", "u-keep"],
+                stdin=slave,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=full_env,
+            )
+        finally:
+            signal.signal(signal.SIGINT, previous)
         assert proc.stdout is not None
         asked = b""
         deadline = time.monotonic() + 60
